@@ -1,0 +1,10 @@
+"""torch_pallas: JAX Pallas kernels as differentiable PyTorch ops on XLA devices.
+
+Import order matters on TPU: :mod:`torch_pallas.bridge` (torch_xla's PJRT client) is
+imported before anything that imports JAX.
+"""
+
+from torch_pallas import bridge  # noqa: F401  (first: see above)
+from torch_pallas import random, seeds  # noqa: F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""Argument checks shared by the public functions; each raises before any kernel runs."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from torch_pallas import bridge
+
+NOISE_IMPLS = ("threefry", "hardware")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
+    """An int or a sequence of non-negative ints (torch.Size included), as a tuple."""
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(shape).__name__}")
+    for size in shape:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{name} must contain only ints, got {size!r} in {tuple(shape)}")
+        if size < 0:
+            raise ValueError(f"{name} must not contain negative sizes, got {tuple(shape)}")
+    shape = tuple(int(size) for size in shape)
+    if math.prod(shape) >= 2**32:
+        raise ValueError(f"{name} {shape} has 2**32 or more elements, which torch_pallas does not support")
+    return shape
+
+
+def check_probability(p, name: str = "p") -> float:
+    """A real number in [0, 1] (NaN rejected), as a float."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} {p!r}")
+    p = float(p)
+    if not 0.0 <= p <= 1.0:  # False for NaN too
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
+    return p
+
+
+def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be one of torch.float32, torch.bfloat16, torch.float16, got {dtype}")
+    return dtype
+
+
+def resolve_impl(impl) -> str:
+    """``impl`` or the platform default; ``"hardware"`` only on TPU."""
+    if impl is None:
+        return bridge.default_noise_impl()
+    if impl not in NOISE_IMPLS:
+        raise ValueError(f"impl must be None, 'threefry' or 'hardware', got {impl!r}")
+    if impl == "hardware" and not bridge.on_tpu():
+        raise ValueError(
+            "impl='hardware' uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
+            "use impl='threefry' (the default off TPU) here")
+    return impl
+
+
+def jax_dtype_name(dtype: torch.dtype) -> str:
+    """The JAX/numpy name of a torch dtype, as static configuration for a kernel."""
+    return str(dtype).removeprefix("torch.")

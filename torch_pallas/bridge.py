@@ -1,0 +1,66 @@
+"""torch tensors in, a JAX function applied, torch tensors out.
+
+The only module that touches torch_xla's JAX interop. It decides, from the PJRT device,
+whether Pallas kernels run compiled (TPU) or in interpret mode (any other device), and
+which noise generator is the default there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_xla
+import torch_xla.runtime as xr
+from torch_xla._internal.jax_workarounds import jax_import_guard
+
+# On TPU, torch_xla's PJRT client must own the chips before JAX initialises, or XLA
+# operations hang; this module is imported before anything that imports JAX.
+jax_import_guard()
+
+import torch_xla.core.xla_builder as xb  # noqa: E402  (after the guard)
+
+
+def on_tpu() -> bool:
+    """Whether the XLA device is a TPU (``PJRT_DEVICE=TPU``)."""
+    return xr.device_type() == "TPU"
+
+
+def interpret_mode() -> bool:
+    """Pallas runs compiled on TPU and in interpret mode on every other PJRT device."""
+    return not on_tpu()
+
+
+def default_noise_impl() -> str:
+    """``"hardware"`` on TPU, ``"threefry"`` elsewhere."""
+    return "hardware" if on_tpu() else "threefry"
+
+
+def xla_device(device=None) -> torch.device:
+    """The XLA device to create tensors on: ``device`` if given, else the default one.
+
+    Raises:
+        ValueError: ``device`` is not an XLA device.
+    """
+    if device is None:
+        return torch_xla.device()
+    device = torch.device(device)
+    if device.type != "xla":
+        raise ValueError(f"device must be an XLA device (torch_xla.device()), got {device}")
+    return device
+
+
+def check_on_xla(tensor: torch.Tensor, name: str) -> None:
+    """Raises ValueError unless ``tensor`` lives on an XLA device, naming the fix."""
+    if tensor.device.type != "xla":
+        raise ValueError(
+            f"{name} is on {tensor.device}, but torch_pallas ops run on XLA devices: "
+            f"move it with {name}.to(torch_xla.device())")
+
+
+def call(jax_function, *tensors: torch.Tensor, **static):
+    """Applies ``jax_function(*tensors, interpret=..., **static)`` inside the lazy XLA graph.
+
+    ``jax_function`` must be defined at module level: call_jax caches its traced graph by
+    the function's id, the tensors' shapes and dtypes, and the ``static`` values (each new
+    static value traces and compiles anew, so pass only configuration there).
+    """
+    return xb.call_jax(jax_function, tensors, dict(static, interpret=interpret_mode()))

@@ -1,0 +1,1 @@
+"""Pure JAX + Pallas kernels. Nothing here imports torch."""

@@ -1,0 +1,88 @@
+"""Block-invariant random tensors on XLA devices: ``uniform``, ``normal``, ``bernoulli``.
+
+With the portable generator (``impl="threefry"``, the default off TPU) the result is bit for
+bit ``jax.random.uniform / normal / bernoulli(jax.random.key(seed), shape)`` (x64 key
+semantics, see :mod:`torch_pallas.seeds`), whatever block size the kernel uses; ``normal``'s
+final ``erf_inv`` may differ from JAX's by one ulp in float32. With ``impl="hardware"`` (the
+default on TPU) the TPU's hardware PRNG is used: faster there, not bit-compatible with JAX.
+
+Seeds: ``seed=`` gives the same tensor every call; ``generator=`` (a CPU ``torch.Generator``)
+draws a key from it; with neither, a key is drawn on the device from the XLA RNG, which
+``torch_xla.manual_seed`` seeds (``torch.manual_seed`` does not reach XLA devices).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pallas import _checks, seeds
+from torch_pallas.ops import sampling as sampling_op
+
+__all__ = ["uniform", "normal", "bernoulli"]
+
+
+def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl):
+    shape = _checks.check_shape(shape)
+    impl = _checks.resolve_impl(impl)
+    key = seeds.key_data(seed=seed, generator=generator, device=device)
+    return sampling_op.sample(key, shape, distribution, dtype, p, impl)
+
+
+def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None) -> torch.Tensor:
+    r"""Returns a tensor of ``shape`` filled with numbers drawn uniformly from :math:`[0, 1)`.
+
+    Args:
+        shape (int or sequence of ints): the output's shape.
+        seed (int, optional): a seed in :math:`[0, 2^{64})`; the same seed gives the same tensor.
+        generator (torch.Generator, optional): a CPU generator to draw the key from.
+        device (torch.device, optional): the XLA device; default ``torch_xla.device()``.
+        dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
+        impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
+            ``"hardware"`` (TPU only); default ``"hardware"`` on TPU, ``"threefry"`` elsewhere.
+
+    Returns:
+        Tensor: on the XLA device, of ``shape`` and ``dtype``.
+
+    Raises:
+        TypeError: a non-integer size or seed, a non-float ``dtype``.
+        ValueError: a negative size, a seed outside :math:`[0, 2^{64})`, both ``seed`` and
+            ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a non-XLA ``device``.
+
+    Example::
+
+        >>> x = torch_pallas.random.uniform((2, 3), seed=0)
+        >>> x.device.type
+        'xla'
+    """
+    _checks.check_float_dtype(dtype)
+    return _sample("uniform", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl)
+
+
+def normal(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None) -> torch.Tensor:
+    r"""Returns a tensor of ``shape`` filled with standard normal numbers (mean 0, variance 1).
+
+    Arguments, result and errors are those of :func:`uniform`.
+    """
+    _checks.check_float_dtype(dtype)
+    return _sample("normal", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl)
+
+
+def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None) -> torch.Tensor:
+    r"""Returns a ``torch.bool`` tensor of ``shape`` whose elements are True with probability ``p``.
+
+    An element is True when its float32 uniform number is below ``float32(p)``, as in
+    ``jax.random.bernoulli``. ``p`` is compiled into the kernel: each distinct value
+    compiles once.
+
+    Args:
+        shape (int or sequence of ints): the output's shape.
+        p (float): the probability of True, in :math:`[0, 1]`.
+        seed, generator, device, impl: as in :func:`uniform`.
+
+    Raises:
+        ValueError: ``p`` outside :math:`[0, 1]` or NaN, and the errors of :func:`uniform`.
+        TypeError: ``p`` not a real number, and the errors of :func:`uniform`.
+    """
+    p = _checks.check_probability(p)
+    return _sample("bernoulli", shape, p=p, seed=seed, generator=generator, device=device,
+                   dtype=torch.float32, impl=impl)

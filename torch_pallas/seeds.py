@@ -1,0 +1,78 @@
+"""Torch seeds to JAX threefry key data.
+
+A seed is a 64-bit integer ``s``; its key is the ``threefry2x32`` key with data
+``[s >> 32, s & 0xFFFFFFFF]``, which is ``jax.random.key(s)`` with x64 enabled. Key data
+crosses to JAX as an int32 tensor of shape (2,) (the same bits; JAX reinterprets them as
+uint32), because XLA graphs compiled from torch carry no uint32.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+
+import numpy as np
+import torch
+
+from torch_pallas import bridge
+
+SEED_BOUND = 2**64
+
+
+def check_seed(seed) -> int:
+    """Returns ``seed`` as an int, or raises.
+
+    Raises:
+        TypeError: ``seed`` is not an integer (bool included).
+        ValueError: ``seed`` is outside [0, 2**64).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
+    seed = operator.index(seed)
+    if not 0 <= seed < SEED_BOUND:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def key_data_from_seed(seed: int) -> torch.Tensor:
+    """The int32 (2,) CPU tensor of key data for ``seed`` (validated as in :func:`check_seed`)."""
+    seed = check_seed(seed)
+    words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+    return torch.from_numpy(words.view(np.int32))
+
+
+def check_generator(generator) -> torch.Generator:
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"generator must be a CPU torch.Generator (got one on {generator.device}); "
+            "to follow torch_xla.manual_seed instead, pass neither seed nor generator")
+    return generator
+
+
+def _random_words(generator=None, device=None) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
+
+
+def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
+    """Key data (int32, shape (2,), on the XLA ``device``) for one random op.
+
+    * ``seed``: an int in [0, 2**64); the same seed always gives the same key.
+    * ``generator``: a CPU ``torch.Generator``; two 32-bit words are drawn from it.
+    * neither: two words drawn on the XLA device from its RNG (which
+      ``torch_xla.manual_seed`` seeds), with no host sync and no new graph per call.
+
+    Raises:
+        ValueError: both ``seed`` and ``generator`` given, a seed out of range, or a
+            generator not on the CPU.
+        TypeError: a non-integer seed or a non-Generator ``generator``.
+    """
+    device = bridge.xla_device(device)
+    if seed is not None and generator is not None:
+        raise ValueError("pass seed or generator, not both")
+    if seed is not None:
+        return key_data_from_seed(seed).to(device)
+    if generator is not None:
+        return _random_words(generator=check_generator(generator)).to(device)
+    return _random_words(device=device)
