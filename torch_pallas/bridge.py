@@ -19,9 +19,17 @@ jax_import_guard()
 import torch_xla.core.xla_builder as xb  # noqa: E402  (after the guard)
 
 
+# Both facts are fixed for a process; dynamo treats them as constants instead of tracing
+# into torch_xla's C++ bindings (which it cannot).
+@torch.compiler.assume_constant_result
 def on_tpu() -> bool:
     """Whether the XLA device is a TPU (``PJRT_DEVICE=TPU``)."""
     return xr.device_type() == "TPU"
+
+
+@torch.compiler.assume_constant_result
+def _default_xla_device() -> torch.device:
+    return torch_xla.device()
 
 
 def interpret_mode() -> bool:
@@ -41,7 +49,7 @@ def xla_device(device=None) -> torch.device:
         ValueError: ``device`` is not an XLA device.
     """
     if device is None:
-        return torch_xla.device()
+        return _default_xla_device()
     device = torch.device(device)
     if device.type != "xla":
         raise ValueError(f"device must be an XLA device (torch_xla.device()), got {device}")

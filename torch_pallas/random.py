@@ -3,7 +3,7 @@
 With the portable generator (``impl="threefry"``, the default off TPU) the result is bit for
 bit ``jax.random.uniform / normal / bernoulli(jax.random.key(seed), shape)`` (x64 key
 semantics, see :mod:`torch_pallas.seeds`), whatever block size the kernel uses; ``normal``'s
-final ``erf_inv`` may differ from JAX's by one ulp in float32. With ``impl="hardware"`` (the
+final ``erf_inv`` may differ from JAX's by a few ulps (3 seen) in float32. With ``impl="hardware"`` (the
 default on TPU) the TPU's hardware PRNG is used: faster there, not bit-compatible with JAX.
 
 Seeds: ``seed=`` gives the same tensor every call; ``generator=`` (a CPU ``torch.Generator``)

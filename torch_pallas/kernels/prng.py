@@ -154,7 +154,7 @@ def normal_from_bits(bits: jax.Array, dtype) -> jax.Array:
 
     JAX maps a uniform on (-1, 1) through ``sqrt(2) * erfinv``; the arithmetic is done in
     ``dtype`` as JAX does it, so bfloat16 and float16 roundings match too. The float32
-    ``erf_inv`` may differ from an XLA-computed reference by one ulp: XLA's CPU compiler
+    ``erf_inv`` may differ from an XLA-computed reference by a few ulps (3 seen): XLA's CPU compiler
     rounds its polynomial differently depending on how the surrounding loop is vectorized.
     """
     dtype = jnp.dtype(dtype)

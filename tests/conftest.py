@@ -1,0 +1,27 @@
+"""Suite-wide set-up: the XLA device (CPU unless PJRT_DEVICE says otherwise) and TPU gating."""
+
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import pytest  # noqa: E402
+
+import torch_pallas  # noqa: E402,F401  (torch_xla's client before JAX)
+from torch_pallas import bridge  # noqa: E402
+
+ON_TPU = bridge.on_tpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_TPU:
+        return
+    skip = pytest.mark.skip(
+        reason="needs a TPU (PJRT_DEVICE=TPU): compiled Mosaic kernels and the hardware PRNG "
+               f"cannot run on PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+    for item in items:
+        if "tpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    return f"torch_pallas: PJRT_DEVICE={os.environ['PJRT_DEVICE']}, Pallas interpret mode: {bridge.interpret_mode()}"

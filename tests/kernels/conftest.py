@@ -1,0 +1,11 @@
+"""Kernel tests call JAX directly, on the JAX CPU backend in interpret mode, whatever the
+PJRT device of the torch tests is; TPU lowering is checked with jax.export."""
+
+import jax
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _jax_on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

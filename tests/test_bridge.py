@@ -1,0 +1,31 @@
+"""The bridge: the interpret decision, device checks, and a JAX function on XLA tensors."""
+
+import pytest
+import torch
+import torch_xla
+
+from torch_pallas import bridge
+
+from conftest import ON_TPU
+
+
+def test_interpret_mode_follows_the_device():
+    assert bridge.interpret_mode() is (not ON_TPU)
+    assert bridge.default_noise_impl() == ("hardware" if ON_TPU else "threefry")
+
+
+def test_non_xla_tensor_error_names_the_fix():
+    with pytest.raises(ValueError, match=r"x\.to\(torch_xla\.device\(\)\)"):
+        bridge.check_on_xla(torch.ones(2), "x")
+
+
+def _double(x, *, scale, interpret):
+    del interpret
+    return x * scale
+
+
+def test_call_runs_a_jax_function_on_xla_tensors():
+    x = torch.arange(6, dtype=torch.float32, device=torch_xla.device())
+    y = bridge.call(_double, x, scale=2.0)
+    assert y.device.type == "xla"
+    torch.testing.assert_close(y.cpu(), torch.arange(6, dtype=torch.float32) * 2)
