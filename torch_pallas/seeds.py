@@ -11,7 +11,6 @@ from __future__ import annotations
 import numbers
 import operator
 
-import numpy as np
 import torch
 
 from torch_pallas import bridge
@@ -34,11 +33,19 @@ def check_seed(seed) -> int:
     return seed
 
 
-def key_data_from_seed(seed: int) -> torch.Tensor:
-    """The int32 (2,) CPU tensor of key data for ``seed`` (validated as in :func:`check_seed`)."""
+def seed_words(seed) -> tuple[int, int]:
+    """The two key words of ``seed`` as signed 32-bit ints (validated as in :func:`check_seed`)."""
     seed = check_seed(seed)
-    words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
-    return torch.from_numpy(words.view(np.int32))
+    high, low = seed >> 32, seed & 0xFFFFFFFF
+    return tuple(word - 2**32 if word >= 2**31 else word for word in (high, low))
+
+
+def key_data_from_seed(seed, device=None) -> torch.Tensor:
+    """The int32 (2,) tensor of key data for ``seed``, on ``device`` (default CPU).
+
+    Built from Python ints so that ``torch.compile`` folds it into the graph.
+    """
+    return torch.tensor(seed_words(seed), dtype=torch.int32, device=device)
 
 
 def check_generator(generator) -> torch.Generator:
@@ -72,7 +79,7 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
     if seed is not None and generator is not None:
         raise ValueError("pass seed or generator, not both")
     if seed is not None:
-        return key_data_from_seed(seed).to(device)
+        return key_data_from_seed(seed, device)
     if generator is not None:
         return _random_words(generator=check_generator(generator)).to(device)
     return _random_words(device=device)

@@ -18,7 +18,7 @@ MAX_ELEMENTS = 2**32 - 1  # flat indices are uint32 counters
 # Per-block element targets. In interpret mode every grid step costs a fixed overhead on
 # the host, so blocks are large; on TPU a block plus its double buffers must fit in VMEM.
 _INTERPRET_BLOCK_ELEMENTS = 2**22
-_TPU_BLOCK_ELEMENTS = 2**18
+_TPU_BLOCK_BYTES = 2**20
 _TPU_MAX_BLOCK_COLS = 2048
 _TPU_CHUNK_ROWS = 32
 
@@ -50,13 +50,16 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def default_block_shape(rows: int, cols: int, *, interpret: bool) -> tuple[int, int]:
+def default_block_shape(rows: int, cols: int, itemsize: int = 4, *, interpret: bool) -> tuple[int, int]:
+    """A block for a (rows, cols) view of ``itemsize``-byte elements: few large blocks in
+    interpret mode, about 1 MiB per operand block on TPU (double-buffered in and out: 4 MiB
+    of VMEM)."""
     if interpret:
         block_cols = cols
         target = _INTERPRET_BLOCK_ELEMENTS
     else:
         block_cols = cols if cols <= _TPU_MAX_BLOCK_COLS else _TPU_MAX_BLOCK_COLS
-        target = _TPU_BLOCK_ELEMENTS
+        target = _TPU_BLOCK_BYTES // itemsize
     block_rows = max(8, (target // block_cols) // 8 * 8)
     return (rows if block_rows >= rows else block_rows), block_cols
 

@@ -1,0 +1,57 @@
+"""The dropout kernel: its mask is jax.random.bernoulli's, for any block shape; TPU lowering."""
+
+import functools
+
+import numpy as np
+import jax
+import jax.export
+import jax.numpy as jnp
+import pytest
+
+from reference import SEEDS, jax_key, key_data, ulp_distance
+from torch_pallas.kernels import dropout as dropout_kernels, prng
+
+dropout = jax.jit(dropout_kernels.dropout, static_argnames=("p", "impl", "interpret", "block_shape", "transpose_grid"))
+
+
+def reference(seed, x, p):
+    """The mask of the noise contract, and values scaled in float32 then rounded once."""
+    keep = np.asarray(jax.random.bernoulli(jax_key(seed), 1 - p, x.shape))
+    scaled = np.asarray(x, np.float32) / np.float32(1 - p)
+    return keep, np.where(keep, scaled, 0).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape,block_shape", [((20, 300), None), ((20, 300), (8, 128)), ((4, 8, 2048), (24, 1024)),
+                                               ((7,), None), ((), None)])
+def test_mask_is_jax_bernoulli(shape, block_shape, dtype):
+    seed, p = SEEDS[2], 0.3
+    x = jax.random.uniform(jax.random.key(0), shape, dtype, minval=0.5, maxval=2.0)  # no zeros: mask = (y != 0)
+    y = dropout(key_data(seed), x, p=p, interpret=True, block_shape=block_shape)
+    keep, expected = reference(seed, x, p)
+    np.testing.assert_array_equal(np.asarray(y) != 0, keep)
+    assert y.dtype == dtype
+    assert ulp_distance(np.asarray(y, np.float32), np.asarray(expected, np.float32)) <= (1 if dtype == jnp.float32 else 1 << 16)
+
+
+def test_forward_and_backward_block_shapes_agree():
+    # The backward kernel may be tuned differently: other blocks, other grid order.
+    x = jnp.ones((64, 1024), jnp.float32)
+    forward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, block_shape=(8, 128))
+    backward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, block_shape=(40, 256), transpose_grid=True)
+    np.testing.assert_array_equal(np.asarray(forward), np.asarray(backward))
+
+
+def test_p_one_is_rejected_by_the_kernel():
+    with pytest.raises(ValueError, match="p must be in"):
+        dropout_kernels.dropout(key_data(0), jnp.ones(4), p=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1000, 1000), (64, 2048), (3, 5, 129)])
+def test_lowers_for_tpu(impl, dtype, shape):
+    kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False)
+    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
+        jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shape, dtype))
+    assert "tpu_custom_call" in exported.mlir_module()

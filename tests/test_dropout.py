@@ -1,0 +1,187 @@
+"""torch_pallas.dropout: mask contract, gradients from the regenerated mask, saved bytes,
+seeds, shapes and dtypes, checkpointing, statistics, bad input."""
+
+import math
+
+import numpy as np
+import jax
+import pytest
+import torch
+import torch_xla
+import torch_xla.utils.checkpoint
+
+import torch_pallas
+from reference import SEEDS, jax_key
+from torch_pallas.ops import dropout as dropout_op
+
+SHAPE = (20, 300)
+
+
+def xla(t):
+    return t.to(torch_xla.device())
+
+
+def positive(shape, dtype=torch.float32):
+    """Inputs without zeros, so that the mask is exactly (output != 0)."""
+    return xla(torch.rand(shape, generator=torch.Generator().manual_seed(0)).add(0.5).to(dtype))
+
+
+def test_mask_is_jax_bernoulli_and_gradient_uses_it():
+    x = positive(SHAPE).requires_grad_()
+    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2])
+    y.backward(xla(torch.ones(SHAPE)))
+    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, SHAPE))
+    np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, keep)
+    expected_grad = np.where(keep, np.float32(1) / np.float32(0.7), 0).astype(np.float32)
+    np.testing.assert_allclose(x.grad.cpu().numpy(), expected_grad, rtol=2e-7)
+    np.testing.assert_allclose(y.detach().cpu().numpy(), np.where(keep, x.detach().cpu().numpy() / 0.7, 0), rtol=2e-7)
+
+
+def test_saves_only_the_key_for_backward():
+    x = positive(SHAPE).requires_grad_()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch_pallas.dropout(x, p=0.5).sum().backward()
+    assert saved == [8]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch.nn.functional.dropout(x, p=0.5)
+    assert sum(saved[1:]) >= x.numel()  # torch keeps a mask of at least a byte per element
+
+
+def test_forced_different_forward_and_backward_blocks_agree():
+    x = positive((64, 1024)).requires_grad_()
+    key = torch_pallas.seeds.key_data(seed=SEEDS[1])
+    y = dropout_op.dropout(x, key, 0.4, "threefry", [8, 128], [40, 256])
+    y.backward(xla(torch.ones(64, 1024)))
+    torch.testing.assert_close(x.grad.cpu() != 0, y.detach().cpu() != 0, rtol=0, atol=0)
+    default = torch_pallas.dropout(x.detach(), p=0.4, seed=SEEDS[1])
+    assert torch.equal(default.cpu(), y.detach().cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_dtypes(dtype):
+    x = positive(SHAPE, dtype).requires_grad_()
+    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[1])
+    assert y.dtype == dtype
+    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.7, SHAPE))
+    np.testing.assert_array_equal(y.detach().float().cpu().numpy() != 0, keep)
+    y.float().sum().backward()
+    assert x.grad.dtype == dtype
+    np.testing.assert_array_equal(x.grad.float().cpu().numpy() != 0, keep)
+
+
+def test_non_contiguous_input_gets_the_mask_of_its_logical_layout():
+    base = positive((300, 20))
+    transposed = base.t()
+    y = torch_pallas.dropout(transposed, p=0.3, seed=SEEDS[1])
+    assert torch.equal(y.cpu(), torch_pallas.dropout(transposed.contiguous(), p=0.3, seed=SEEDS[1]).cpu())
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 5), (3, 5, 129)])
+def test_any_rank_and_empty(shape):
+    x = positive(shape).requires_grad_()
+    y = torch_pallas.dropout(x, p=0.5, seed=1)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_identity_and_zero_cases():
+    x = positive(SHAPE).requires_grad_()
+    assert torch_pallas.dropout(x, p=0.0) is x
+    assert torch_pallas.dropout(x, p=0.7, training=False) is x
+    zeros = torch_pallas.dropout(x, p=1.0)
+    zeros.sum().backward()
+    assert not zeros.detach().cpu().any() and not x.grad.cpu().any()
+
+
+def test_seed_sources():
+    x = positive(SHAPE)
+    assert torch.equal(torch_pallas.dropout(x, seed=3).cpu(), torch_pallas.dropout(x, seed=3).cpu())
+    with_generator = [torch_pallas.dropout(x, generator=torch.Generator().manual_seed(9)).cpu() for _ in range(2)]
+    assert torch.equal(*with_generator)
+    torch_xla.manual_seed(4)
+    fresh = [torch_pallas.dropout(x).cpu() for _ in range(2)]
+    assert not torch.equal(*fresh)
+    torch_xla.manual_seed(4)
+    assert torch.equal(torch_pallas.dropout(x).cpu(), fresh[0])
+
+
+def test_checkpointed_recompute_uses_the_same_mask():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(300, 300).to(torch_xla.device())
+
+    def block(inputs):
+        return torch.tanh(torch_pallas.dropout(layer(inputs), p=0.5))
+
+    def gradients(checkpointed):
+        layer.zero_grad()
+        x = positive(SHAPE).requires_grad_()  # reentrant checkpointing needs an input with grad
+        torch_xla.manual_seed(21)
+        out = torch_xla.utils.checkpoint.checkpoint(block, x) if checkpointed else block(x)
+        out.square().sum().backward()
+        return layer.weight.grad.cpu().clone(), x.grad.cpu()
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain[0].abs().sum() > 0
+    for expected, got in zip(plain, checkpointed):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_fraction_and_independence(p):
+    rows, cols = 1024, 1024
+    kept = (torch_pallas.dropout(xla(torch.ones(rows, cols)), p=p, seed=SEEDS[3]).cpu() != 0).double()
+    n = rows * cols
+    assert abs(kept.mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    centred = kept - kept.mean()
+    variance = centred.square().mean().item()
+    for neighbours in (centred[1:] * centred[:-1], centred[:, 1:] * centred[:, :-1]):
+        correlation = neighbours.mean().item() / variance
+        assert abs(correlation) < 5 / math.sqrt(neighbours.numel())
+    assert torch.unique(kept, dim=0).shape[0] == rows, "repeated rows"
+    blocks = kept.reshape(rows // 8, 8, cols // 128, 128).permute(0, 2, 1, 3).reshape(-1, 8 * 128)
+    assert torch.unique(blocks, dim=0).shape[0] == blocks.shape[0], "repeated (8, 128) blocks"
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x: torch_pallas.dropout(x, p=1.5), ValueError, "p must be in"),
+    (lambda x: torch_pallas.dropout(x, p=-0.1), ValueError, "p must be in"),
+    (lambda x: torch_pallas.dropout(x, p=float("nan")), ValueError, "p must be in"),
+    (lambda x: torch_pallas.dropout(x.long(), p=0.5), TypeError, "float32, bfloat16 or float16"),
+    (lambda x: torch_pallas.dropout(x > 0, p=0.5), TypeError, "float32, bfloat16 or float16"),
+    (lambda x: torch_pallas.dropout(x.cpu(), p=0.5), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda x: torch_pallas.dropout(x, p=0.5, seed=-1), ValueError, "seed"),
+    (lambda x: torch_pallas.dropout(x, p=0.5, seed=2**64), ValueError, "seed"),
+    (lambda x: torch_pallas.dropout(x, p=0.5, impl="philox"), ValueError, "impl"),
+    (lambda x: torch_pallas.dropout(x.numpy(force=True), p=0.5), TypeError, "torch.Tensor"),
+])
+def test_bad_input_raises_and_leaves_input_untouched(call, error, match):
+    x = positive(SHAPE)
+    before = x.cpu().clone()
+    with pytest.raises(error, match=match):
+        call(x)
+    assert torch.equal(x.cpu(), before)
+
+
+@pytest.mark.skipif(torch_pallas.bridge.on_tpu(), reason="hardware is available on TPU")
+def test_hardware_impl_off_tpu_names_threefry():
+    with pytest.raises(ValueError, match="impl='threefry'"):
+        torch_pallas.dropout(positive(SHAPE), impl="hardware")
+
+
+@pytest.mark.tpu
+def test_hardware_dropout_on_tpu():
+    p, n = 0.3, 1024 * 1024
+    x = positive((1024, 1024)).requires_grad_()
+    y = torch_pallas.dropout(x, p=p, seed=1, impl="hardware")
+    y.sum().backward()
+    kept = (y.detach().cpu() != 0)
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    assert torch.equal(kept, x.grad.cpu() != 0), "backward regenerated a different mask"
+    assert torch.equal(y.detach().cpu(), torch_pallas.dropout(x.detach(), p=p, seed=1, impl="hardware").cpu())
