@@ -1,0 +1,565 @@
+"""IndRNN recurrence as Pallas kernels (pure JAX; no torch here).
+
+The independently recurrent neural network (IndRNN) updates every feature on its
+own::
+
+    h_t = act(x_t + w * h_{t-1}),    act in {relu, tanh},  w of shape (F,)
+
+so the recurrence is elementwise: a kernel instance owning a (batch, feature) tile
+can run the whole time loop without talking to any other instance. The layout is
+time-major, ``x`` of shape ``(T, B, F)``; the torch layer above handles
+``batch_first`` by transposing.
+
+Kernels
+-------
+Both kernels use the grid ``(batch blocks, feature blocks, time blocks)``. Time is
+the last grid axis and is sequential ("arbitrary"); batch and feature blocks are
+independent ("parallel", so megacore TPUs may split them). The recurrent state
+lives in a float32 VMEM scratch of shape ``(block_b, block_f)`` that survives from
+one time block to the next, so any ``T`` works with pipelined copies and, on TPU,
+no block holds the whole sequence unless ``T`` is small. Within a block a
+``fori_loop`` walks the time steps. State and accumulations are float32 for every
+input dtype.
+
+* ``indrnn_forward`` reads ``x`` once and writes ``output`` once:
+  ``2 * T*B*F * itemsize`` bytes, plus ``h0``/``h_n`` (``B*F`` each) and the weight
+  row once per (batch block, time block).
+* ``indrnn_backward`` runs time in reverse and needs only the saved outputs (the
+  derivative of relu is ``h_t > 0``, of tanh ``1 - h_t**2``; no pre-activations are
+  stored). It reads ``grad_output`` and ``output`` once and writes ``grad_x`` once:
+  ``3 * T*B*F * itemsize`` bytes. The step at the start of a time block needs
+  ``h_{t-1}`` from the previous block; a second BlockSpec view of ``output`` with a
+  one-step time extent fetches just that row, adding ``B*F * itemsize`` per time
+  block (a ``1/block_t`` fraction of one sequence read) instead of a second copy of
+  the sequence. Add ``h0``, ``grad_h_n``, ``grad_h0`` (``B*F`` each) and the float32
+  weight-gradient partials (``4*B*F``).
+
+Ragged shapes
+-------------
+Grids are ``cdiv(shape, block)``, so Pallas pads edge blocks. Padded batch rows and
+feature columns compute on garbage that is never written back and never reduced
+(the weight gradient is kept per batch row, see below). Padded *time* steps are
+never executed: the number of valid steps in the last time block is a static
+Python int, and that block runs a loop of exactly that length, so ``h_n`` and the
+backward carry never see padding.
+
+Determinism
+-----------
+The weight gradient is accumulated per batch row in a float32 output block of
+shape ``(block_b, block_f)`` that stays resident across the time axis. The kernel
+never reduces across rows (no atomics, no cross-instance races); the rows are
+summed afterwards by ``jnp.sum`` in a fixed order outside the kernel.
+
+Block shapes
+------------
+``(block_t, block_b, block_f)``. ``block_b``/``block_f`` must be multiples of
+(8, 128) or equal to the full dimension (the Mosaic TPU tiling rule; it is
+enforced in interpret mode too so that what runs on CPU is what lowers on TPU).
+``block_t`` is free. ``default_block_shape`` picks VMEM-sized blocks for TPU and
+a single block for interpret mode, where every grid step costs copies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["NONLINEARITIES", "default_block_shape", "indrnn_forward", "indrnn_backward"]
+
+NONLINEARITIES = ("relu", "tanh")
+
+# Mosaic tiles the last two dims of a VMEM block by (sublanes, 128 lanes).
+_SUBLANES = 8
+_LANES = 128
+
+# TPU: bytes of one (block_t, block_b, block_f) block of the input. The backward
+# kernel keeps three such streams double-buffered (~6x this), which stays well
+# inside the default scoped VMEM limit (16 MiB on v5e, 32 MiB later).
+_TPU_BLOCK_BYTES = 1 << 20
+_TPU_MAX_BLOCK_T = 256
+_TPU_MAX_BLOCK_B = 32
+_TPU_MAX_BLOCK_F = 1024
+_TPU_SPLIT_BLOCK_F = 512
+# Each step is a short dependent chain; unrolling lets the scheduler overlap the
+# loads/stores of neighbouring steps. Not tuned on hardware (no TPU was available).
+_TPU_UNROLL = 8
+
+# Interpret mode (CPU), measured on this project's 2-core machines: the kernel
+# becomes XLA ops, each grid step dynamic-slices every operand's block out of the
+# full array and writes it back, and a time block padded past T is a padded copy
+# of the operand. A grid of one step compiles to a plain loop over the arrays with
+# none of these copies, so interpret mode uses the whole (T, B, F) array as one
+# block: at (T, B, F) = (1000, 1, 1000), 500-step blocks made forward+backward
+# ~2x slower than one block, and 128-step blocks at (512, 64, 512) ~2.5x slower.
+# There is no VMEM to fit, and a single block needs no memory beyond the operands.
+# Unrolling the time loop made XLA's CPU loop slower (2 steps: about even; 8 steps:
+# ~2x slower at (1000, 1, 1000)), so it is not unrolled there.
+_INTERPRET_UNROLL = 1
+
+
+def _check_nonlinearity(nonlinearity: str) -> None:
+    if nonlinearity not in NONLINEARITIES:
+        raise ValueError(
+            f"nonlinearity must be one of {NONLINEARITIES!r} ('relu' or 'tanh'), "
+            f"got {nonlinearity!r}"
+        )
+
+
+def _activate(pre_activation: jax.Array, nonlinearity: str) -> jax.Array:
+    if nonlinearity == "relu":
+        return jnp.maximum(pre_activation, 0.0)
+    return jnp.tanh(pre_activation)
+
+
+def _activation_derivative_from_output(hidden: jax.Array, nonlinearity: str) -> jax.Array:
+    """act'(a_t) written in terms of h_t = act(a_t), so no pre-activation is saved."""
+    if nonlinearity == "relu":
+        return (hidden > 0.0).astype(jnp.float32)
+    return 1.0 - hidden * hidden
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _balanced_block(length: int, max_block: int) -> int:
+    """Smallest block that splits ``length`` into as few blocks as ``max_block`` allows.
+
+    Balancing (e.g. 1000 -> 4 x 250 rather than 3 x 256 + 232) keeps the padded
+    tail, which costs DMA and loop work for nothing, small.
+    """
+    num_blocks = -(-length // max(1, max_block))
+    return -(-length // num_blocks)
+
+
+def default_block_shape(
+    T: int, B: int, F: int, dtype, *, interpret: bool
+) -> tuple[int, int, int]:
+    """Pick ``(block_t, block_b, block_f)`` for a sequence of shape ``(T, B, F)``.
+
+    Args:
+      T, B, F: sequence length, batch size and number of features (positive ints).
+      dtype: dtype of ``x``; sets the VMEM footprint of a block on TPU.
+      interpret: True for Pallas interpret mode (CPU), False for compiled Mosaic TPU.
+
+    Returns:
+      A block shape valid for ``indrnn_forward``/``indrnn_backward``: ``block_b`` and
+      ``block_f`` are each the full dimension or a multiple of 8 / 128.
+
+      * interpret: the whole ``(T, B, F)`` array as a single block. Every extra
+        grid step costs copies of every operand's block in interpret mode, and
+        there is no VMEM limit to respect (see ``_INTERPRET_UNROLL``'s comment).
+      * TPU: ``block_f`` the full F up to 1024 features, else 512; ``block_b`` the
+        full B up to 32, else 32; ``block_t`` so one block is about 1 MiB, between 8
+        and 256 steps, balanced over T.
+    """
+    T, B, F = int(T), int(B), int(F)
+    if min(T, B, F) < 1:
+        raise ValueError(f"T, B, F must be positive, got {(T, B, F)}")
+    if interpret:
+        return T, B, F
+
+    itemsize = np.dtype(dtype).itemsize
+    block_f = F if F <= _TPU_MAX_BLOCK_F else _TPU_SPLIT_BLOCK_F
+    block_b = B if B <= _TPU_MAX_BLOCK_B else _TPU_MAX_BLOCK_B
+    # Packed dtypes fill a vreg's sublanes with 32 // bits rows, so a (bb, bf) slab
+    # occupies at least this many rows of VMEM.
+    sublane_tile = _SUBLANES * max(1, 4 // itemsize)
+    step_bytes = _round_up(block_b, sublane_tile) * _round_up(block_f, _LANES) * itemsize
+    max_block_t = max(8, min(_TPU_MAX_BLOCK_T, _TPU_BLOCK_BYTES // step_bytes))
+    return _balanced_block(T, max_block_t), block_b, block_f
+
+
+def _resolve_block_shape(block_shape, T: int, B: int, F: int, dtype, interpret: bool):
+    if block_shape is None:
+        return default_block_shape(T, B, F, dtype, interpret=interpret)
+    if (
+        not isinstance(block_shape, (tuple, list))
+        or len(block_shape) != 3
+        or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_shape)
+    ):
+        raise ValueError(
+            f"block_shape must be a tuple of three ints (block_t, block_b, block_f), got {block_shape!r}"
+        )
+    block_t, block_b, block_f = (int(b) for b in block_shape)
+    if min(block_t, block_b, block_f) < 1:
+        raise ValueError(f"block_shape entries must be positive, got {tuple(block_shape)!r}")
+    # A block larger than its dimension only adds padding; the full dim is always legal.
+    block_t, block_b, block_f = min(block_t, T), min(block_b, B), min(block_f, F)
+    if block_b != B and block_b % _SUBLANES:
+        raise ValueError(
+            f"block_shape: block_b={block_b} must equal the batch size {B} or be a "
+            f"multiple of {_SUBLANES} (Mosaic TPU tiling)"
+        )
+    if block_f != F and block_f % _LANES:
+        raise ValueError(
+            f"block_shape: block_f={block_f} must equal the feature count {F} or be a "
+            f"multiple of {_LANES} (Mosaic TPU tiling)"
+        )
+    return block_t, block_b, block_f
+
+
+def _check_float(name: str, array) -> None:
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating-point array, got dtype {array.dtype}")
+
+
+def _check_shapes(x, weight, h0, x_name: str = "x") -> tuple[int, int, int]:
+    if x.ndim != 3:
+        raise ValueError(f"{x_name} must have shape (T, B, F), got {x.shape}")
+    T, B, F = x.shape
+    if weight.shape != (F,):
+        raise ValueError(f"weight must have shape ({F},) to match {x_name} {x.shape}, got {weight.shape}")
+    if h0.shape != (B, F):
+        raise ValueError(f"h0 must have shape ({B}, {F}) to match {x_name} {x.shape}, got {h0.shape}")
+    for name, array in ((x_name, x), ("weight", weight), ("h0", h0)):
+        _check_float(name, array)
+    return T, B, F
+
+
+def _compiler_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _unrolled_loop(num_steps: int, body, carry, unroll: int):
+    """``fori_loop(0, num_steps, body, carry)`` unrolled ``unroll`` times by hand.
+
+    Mosaic lowers ``fori_loop`` only fully unrolled or not at all, so partial
+    unrolling is spelt out: a loop over groups of ``unroll`` steps followed by the
+    static remainder.
+    """
+    num_groups, remainder = divmod(num_steps, unroll)
+
+    def group(group_index, carry):
+        first = group_index * unroll
+        for k in range(unroll):
+            carry = body(first + k, carry)
+        return carry
+
+    if num_groups == 1:
+        carry = group(0, carry)
+    elif num_groups > 1:
+        carry = lax.fori_loop(0, num_groups, group, carry)
+    for k in range(remainder):
+        carry = body(num_groups * unroll + k, carry)
+    return carry
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _load_weight(weight_ref, state_shape, interpret: bool) -> jax.Array:
+    weight = weight_ref[...].astype(jnp.float32)
+    if interpret:
+        # Left as a (1, F) row, the broadcast fuses into each step's XLA loop; a
+        # materialised (B, F) copy is extra memory traffic on every step.
+        return weight
+    # On TPU a sublane broadcast per step is wasted work: do it once per block.
+    return jnp.broadcast_to(weight, state_shape)
+
+
+def _forward_kernel(
+    x_ref, weight_ref, h0_ref, out_ref, h_n_ref, state_ref,
+    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, interpret: bool,
+):
+    time_block = pl.program_id(2)
+
+    @pl.when(time_block == 0)
+    def _():
+        state_ref[...] = h0_ref[...].astype(jnp.float32)
+
+    weight = _load_weight(weight_ref, state_ref.shape, interpret)
+    unroll = _INTERPRET_UNROLL if interpret else _TPU_UNROLL
+
+    def run_steps(num_steps: int):
+        def step(i, hidden):
+            hidden = _activate(x_ref[i].astype(jnp.float32) + weight * hidden, nonlinearity)
+            out_ref[i] = hidden.astype(out_ref.dtype)
+            return hidden
+
+        state_ref[...] = _unrolled_loop(num_steps, step, state_ref[...], unroll)
+
+    # The last time block may be ragged; its step count is static, so padded steps
+    # are simply never run (no masking inside the loop).
+    if last_block_steps == block_t:
+        run_steps(block_t)
+    else:
+        pl.when(time_block < num_time_blocks - 1)(lambda: run_steps(block_t))
+        pl.when(time_block == num_time_blocks - 1)(lambda: run_steps(last_block_steps))
+
+    @pl.when(time_block == num_time_blocks - 1)
+    def _():
+        h_n_ref[...] = state_ref[...].astype(h_n_ref.dtype)
+
+
+def indrnn_forward(
+    x: jax.Array,
+    weight: jax.Array,
+    h0: jax.Array,
+    *,
+    nonlinearity: str,
+    interpret: bool,
+    block_shape: tuple[int, int, int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Run ``h_t = act(x_t + weight * h_{t-1})`` over a time-major sequence.
+
+    Args:
+      x: input of shape ``(T, B, F)``, float32, bfloat16 or float16.
+      weight: recurrent weight of shape ``(F,)``, any float dtype.
+      h0: initial state of shape ``(B, F)``, any float dtype.
+      nonlinearity: ``"relu"`` or ``"tanh"``.
+      interpret: run Pallas in interpret mode (CPU) instead of compiling for TPU.
+      block_shape: optional ``(block_t, block_b, block_f)`` overriding
+        ``default_block_shape``. Entries above the dimension are clamped to it.
+
+    Returns:
+      ``(output, h_n)``: all hidden states, shape ``(T, B, F)``, and the last one,
+      shape ``(B, F)``, both in ``x.dtype``. The state is carried in float32.
+
+    Raises:
+      ValueError: for an unknown ``nonlinearity``, mismatched shapes, non-float
+        dtypes, or an invalid ``block_shape``.
+    """
+    _check_nonlinearity(nonlinearity)
+    T, B, F = _check_shapes(x, weight, h0)
+    if T == 0 or B == 0 or F == 0:
+        return jnp.zeros(x.shape, x.dtype), h0.astype(x.dtype)
+    block_shape = _resolve_block_shape(block_shape, T, B, F, x.dtype, interpret)
+    return _forward_call(x, weight, h0, nonlinearity=nonlinearity, interpret=interpret, block_shape=block_shape)
+
+
+# Jitted so that eager calls with the same shapes and options reuse one compile.
+@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
+def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int]):
+    T, B, F = x.shape
+    block_t, block_b, block_f = block_shape
+    num_time_blocks = pl.cdiv(T, block_t)
+    grid = (pl.cdiv(B, block_b), pl.cdiv(F, block_f), num_time_blocks)
+
+    sequence_spec = pl.BlockSpec((block_t, block_b, block_f), lambda b, f, t: (t, b, f))
+    state_spec = pl.BlockSpec((block_b, block_f), lambda b, f, t: (b, f))
+    # Mosaic has no good layout for 1-D blocks: the weight travels as a (1, F) row.
+    weight_spec = pl.BlockSpec((1, block_f), lambda b, f, t: (0, f))
+
+    kernel = functools.partial(
+        _forward_kernel,
+        nonlinearity=nonlinearity,
+        num_time_blocks=num_time_blocks,
+        block_t=block_t,
+        last_block_steps=T - (num_time_blocks - 1) * block_t,
+        interpret=interpret,
+    )
+    itemsize = x.dtype.itemsize
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((T, B, F), x.dtype),
+            jax.ShapeDtypeStruct((B, F), x.dtype),
+        ),
+        grid=grid,
+        in_specs=[sequence_spec, weight_spec, state_spec],
+        out_specs=(sequence_spec, state_spec),
+        scratch_shapes=[pltpu.VMEM((block_b, block_f), jnp.float32)],
+        compiler_params=_compiler_params(),
+        cost_estimate=pl.CostEstimate(
+            flops=3 * T * B * F,
+            transcendentals=T * B * F if nonlinearity == "tanh" else 0,
+            bytes_accessed=2 * T * B * F * itemsize + 2 * B * F * itemsize + F * weight.dtype.itemsize,
+        ),
+        interpret=interpret,
+        name=f"indrnn_forward_{nonlinearity}",
+    )(x, weight.reshape(1, F), h0)
+
+
+# -------------------------------------------------------------------------- backward
+
+
+def _backward_kernel(
+    grad_output_ref, grad_h_n_ref, output_ref, previous_row_ref, weight_ref, h0_ref,
+    grad_x_ref, grad_h0_ref, grad_weight_rows_ref, future_grad_ref,
+    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, interpret: bool,
+):
+    # Grid step 0 handles the LAST time block (the index maps reverse time).
+    grid_step = pl.program_id(2)
+    time_block = num_time_blocks - 1 - grid_step
+
+    # future_grad carries the part of dL/dh_t that comes from later steps:
+    # w * dL/da_{t+1}, or grad_h_n for t = T-1.
+    @pl.when(grid_step == 0)
+    def _():
+        future_grad_ref[...] = grad_h_n_ref[...].astype(jnp.float32)
+        grad_weight_rows_ref[...] = jnp.zeros_like(grad_weight_rows_ref)
+
+    weight = _load_weight(weight_ref, future_grad_ref.shape, interpret)
+    unroll = _INTERPRET_UNROLL if interpret else _TPU_UNROLL
+
+    def backprop_step(i, hidden_before, carry):
+        future_grad, grad_weight_rows = carry
+        hidden = output_ref[i].astype(jnp.float32)
+        grad_pre_activation = (grad_output_ref[i].astype(jnp.float32) + future_grad) * (
+            _activation_derivative_from_output(hidden, nonlinearity)
+        )
+        grad_x_ref[i] = grad_pre_activation.astype(grad_x_ref.dtype)
+        return weight * grad_pre_activation, grad_weight_rows + grad_pre_activation * hidden_before
+
+    def run_steps(num_steps: int):
+        # Steps num_steps-1 .. 1 find h_{i-1} in this block. Reading it again rather
+        # than carrying it from the previous iteration measured faster in
+        # interpret mode (one XLA fusion and copy fewer per step).
+        def step(j, carry):
+            i = num_steps - 1 - j
+            return backprop_step(i, output_ref[i - 1].astype(jnp.float32), carry)
+
+        # Accumulating onto the running sum (not a per-block partial added at the
+        # end) keeps the float32 summation order independent of block_t, so every
+        # block shape gives bit-identical gradients.
+        carry = (future_grad_ref[...], grad_weight_rows_ref[...])
+        carry = _unrolled_loop(num_steps - 1, step, carry, unroll)
+        # Step 0 needs the previous block's last state, or h0 for the first block.
+        hidden_before = jnp.where(
+            time_block == 0,
+            h0_ref[...].astype(jnp.float32),
+            previous_row_ref[...].astype(jnp.float32),
+        )
+        future_grad, grad_weight_rows = backprop_step(0, hidden_before, carry)
+        future_grad_ref[...] = future_grad
+        grad_weight_rows_ref[...] = grad_weight_rows
+
+    # Only the last time block (grid step 0) can be ragged; see the forward kernel.
+    if last_block_steps == block_t:
+        run_steps(block_t)
+    else:
+        pl.when(grid_step == 0)(lambda: run_steps(last_block_steps))
+        pl.when(grid_step > 0)(lambda: run_steps(block_t))
+
+    # After time step 0, future_grad = w * dL/da_0 = dL/dh0.
+    @pl.when(grid_step == num_time_blocks - 1)
+    def _():
+        grad_h0_ref[...] = future_grad_ref[...].astype(grad_h0_ref.dtype)
+
+
+def indrnn_backward(
+    grad_output: jax.Array,
+    grad_h_n: jax.Array,
+    output: jax.Array,
+    weight: jax.Array,
+    h0: jax.Array,
+    *,
+    nonlinearity: str,
+    interpret: bool,
+    block_shape: tuple[int, int, int] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of ``indrnn_forward`` from its saved outputs.
+
+    With ``a_t = x_t + w * h_{t-1}`` and ``h_t = act(a_t)``, walking t from T-1 down:
+    ``dL/dh_t = g_t + w * dL/da_{t+1}`` (plus ``grad_h_n`` at ``t = T-1``),
+    ``dL/da_t = dL/dh_t * act'(a_t)`` with act' taken from ``h_t`` (relu: ``h_t > 0``;
+    tanh: ``1 - h_t**2``). Then ``grad_x_t = dL/da_t``,
+    ``grad_weight = sum_{t,b} dL/da_t * h_{t-1}`` (``h_{-1} = h0``) and
+    ``grad_h0 = w * dL/da_0``.
+
+    Args:
+      grad_output: cotangent of ``output``, shape ``(T, B, F)``, in ``output.dtype``
+        (other float dtypes are accepted and read as float32).
+      grad_h_n: cotangent of ``h_n``, shape ``(B, F)``.
+      output: the forward's ``output``, shape ``(T, B, F)``.
+      weight: recurrent weight, shape ``(F,)``.
+      h0: initial state, shape ``(B, F)``.
+      nonlinearity, interpret, block_shape: as for ``indrnn_forward``; use the same
+        ``nonlinearity`` as the forward pass. Any valid block shape gives the same
+        result.
+
+    Returns:
+      ``(grad_x, grad_weight, grad_h0)`` with shapes ``(T, B, F)``, ``(F,)``,
+      ``(B, F)`` in ``output.dtype`` (the dtype of ``x``), ``weight.dtype`` and
+      ``h0.dtype``. Accumulation is float32; the weight gradient is reduced over
+      batch rows outside the kernel in a fixed order, so it is deterministic.
+
+    Raises:
+      ValueError: for an unknown ``nonlinearity``, mismatched shapes, non-float
+        dtypes, or an invalid ``block_shape``.
+    """
+    _check_nonlinearity(nonlinearity)
+    T, B, F = _check_shapes(output, weight, h0, x_name="output")
+    if grad_output.shape != output.shape:
+        raise ValueError(f"grad_output must have shape {output.shape}, got {grad_output.shape}")
+    if grad_h_n.shape != (B, F):
+        raise ValueError(f"grad_h_n must have shape ({B}, {F}), got {grad_h_n.shape}")
+    _check_float("grad_output", grad_output)
+    _check_float("grad_h_n", grad_h_n)
+    if T == 0 or B == 0 or F == 0:
+        return (
+            jnp.zeros(output.shape, output.dtype),
+            jnp.zeros(weight.shape, weight.dtype),
+            grad_h_n.astype(h0.dtype) if T == 0 else jnp.zeros(h0.shape, h0.dtype),
+        )
+    block_shape = _resolve_block_shape(block_shape, T, B, F, output.dtype, interpret)
+    return _backward_call(
+        grad_output, grad_h_n, output, weight, h0,
+        nonlinearity=nonlinearity, interpret=interpret, block_shape=block_shape,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
+def _backward_call(
+    grad_output, grad_h_n, output, weight, h0,
+    *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int],
+):
+    T, B, F = output.shape
+    block_t, block_b, block_f = block_shape
+    num_time_blocks = pl.cdiv(T, block_t)
+    grid = (pl.cdiv(B, block_b), pl.cdiv(F, block_f), num_time_blocks)
+
+    def reversed_time_block(t):
+        return num_time_blocks - 1 - t
+
+    sequence_spec = pl.BlockSpec(
+        (block_t, block_b, block_f), lambda b, f, t: (reversed_time_block(t), b, f)
+    )
+    # One time step of `output`: h at the step before the block's first step. The
+    # time extent is 1, so the block index is the step index. Time block 0 has no
+    # such row (h0 is used there); its index is clamped to a harmless 0.
+    previous_row_spec = pl.BlockSpec(
+        (None, block_b, block_f),
+        lambda b, f, t: (jnp.maximum(reversed_time_block(t) * block_t - 1, 0), b, f),
+    )
+    state_spec = pl.BlockSpec((block_b, block_f), lambda b, f, t: (b, f))
+    weight_spec = pl.BlockSpec((1, block_f), lambda b, f, t: (0, f))
+
+    kernel = functools.partial(
+        _backward_kernel,
+        nonlinearity=nonlinearity,
+        num_time_blocks=num_time_blocks,
+        block_t=block_t,
+        last_block_steps=T - (num_time_blocks - 1) * block_t,
+        interpret=interpret,
+    )
+    itemsize = output.dtype.itemsize
+    grad_x, grad_h0, grad_weight_rows = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((T, B, F), output.dtype),
+            jax.ShapeDtypeStruct((B, F), h0.dtype),
+            jax.ShapeDtypeStruct((B, F), jnp.float32),
+        ),
+        grid=grid,
+        in_specs=[sequence_spec, state_spec, sequence_spec, previous_row_spec, weight_spec, state_spec],
+        out_specs=(sequence_spec, state_spec, state_spec),
+        scratch_shapes=[pltpu.VMEM((block_b, block_f), jnp.float32)],
+        compiler_params=_compiler_params(),
+        cost_estimate=pl.CostEstimate(
+            flops=6 * T * B * F,
+            transcendentals=0,
+            bytes_accessed=(3 * T * B * F + num_time_blocks * B * F + 3 * B * F) * itemsize + 4 * B * F,
+        ),
+        interpret=interpret,
+        name=f"indrnn_backward_{nonlinearity}",
+    )(grad_output, grad_h_n, output, output, weight.reshape(1, F), h0)
+    grad_weight = jnp.sum(grad_weight_rows, axis=0).astype(weight.dtype)
+    return grad_x, grad_weight, grad_h0
