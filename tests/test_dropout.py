@@ -56,7 +56,7 @@ def test_saves_only_the_key_for_backward():
 def test_forced_different_forward_and_backward_blocks_agree():
     x = positive((64, 1024)).requires_grad_()
     key = torch_pallas.seeds.key_data(seed=SEEDS[1])
-    y = dropout_op.dropout(x, key, 0.4, "threefry", [8, 128], [40, 256])
+    y = dropout_op.dropout(x, key, 0.4, "threefry", False, [8, 128], [40, 256])
     y.backward(xla(torch.ones(64, 1024)))
     torch.testing.assert_close(x.grad.cpu() != 0, y.detach().cpu() != 0, rtol=0, atol=0)
     default = torch_pallas.dropout(x.detach(), p=0.4, seed=SEEDS[1])
@@ -73,6 +73,17 @@ def test_low_precision_dtypes(dtype):
     y.float().sum().backward()
     assert x.grad.dtype == dtype
     np.testing.assert_array_equal(x.grad.float().cpu().numpy() != 0, keep)
+
+
+def test_mask_shared_over_first_dim_is_one_jax_mask_for_every_step():
+    from torch_pallas.functional.dropout import apply_dropout
+
+    x = positive((6, 3, 130)).requires_grad_()
+    y = apply_dropout(x, 0.4, True, seed=SEEDS[1], mask_shared_over_first_dim=True)
+    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.6, (3, 130)))
+    np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, np.broadcast_to(keep, (6, 3, 130)))
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.cpu().numpy() != 0, np.broadcast_to(keep, (6, 3, 130)))
 
 
 def test_non_contiguous_input_gets_the_mask_of_its_logical_layout():

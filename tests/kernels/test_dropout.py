@@ -11,7 +11,8 @@ import pytest
 from reference import SEEDS, jax_key, key_data, ulp_distance
 from torch_pallas.kernels import dropout as dropout_kernels, prng
 
-dropout = jax.jit(dropout_kernels.dropout, static_argnames=("p", "impl", "interpret", "block_shape", "transpose_grid"))
+dropout = jax.jit(dropout_kernels.dropout, static_argnames=(
+    "p", "impl", "interpret", "block_shape", "transpose_grid", "mask_shared_over_first_dim"))
 
 
 def reference(seed, x, p):
@@ -54,4 +55,23 @@ def test_lowers_for_tpu(impl, dtype, shape):
     kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False)
     exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
         jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shape, dtype))
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
+    seed, p, shape = SEEDS[1], 0.4, (6, 5, 100)
+    x = jnp.ones(shape, jnp.float32)
+    y = dropout(key_data(seed), x, p=p, interpret=True, mask_shared_over_first_dim=True)
+    keep = np.asarray(jax.random.bernoulli(jax_key(seed), 1 - p, shape[1:]))
+    np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shape))
+    tiled = dropout(key_data(seed), x, p=p, interpret=True, mask_shared_over_first_dim=True, block_shape=(2, 500))
+    np.testing.assert_array_equal(np.asarray(tiled), np.asarray(y))
+
+
+@pytest.mark.parametrize("impl", prng.IMPLS)
+def test_shared_mask_lowers_for_tpu(impl):
+    kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False,
+                               mask_shared_over_first_dim=True)
+    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
+        jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((100, 8, 256), jnp.float32))
     assert "tpu_custom_call" in exported.mlir_module()

@@ -57,6 +57,12 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
         >>> y = torch_pallas.dropout(x, p=0.1, seed=0)
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
+    return apply_dropout(x, p, training, seed=seed, generator=generator, impl=impl)
+
+
+def apply_dropout(x, p, training, *, seed=None, generator=None, impl=None, mask_shared_over_first_dim=False):
+    """:func:`dropout`, optionally with one mask of shape ``x.shape[1:]`` shared by every
+    index of the first dim (for recurrent nets: the same mask at every time step)."""
     check_tensor(x)
     p = _checks.check_probability(p)
     impl = _checks.resolve_impl(impl)
@@ -67,4 +73,4 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
     if p == 1.0:
         return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
     key = seeds.key_data(seed=seed, generator=generator, device=x.device)
-    return dropout_op.dropout(x, key, p, impl, [], [])
+    return dropout_op.dropout(x, key, p, impl, mask_shared_over_first_dim, [], [])

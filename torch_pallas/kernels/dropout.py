@@ -25,7 +25,8 @@ def _apply_mask(bits, values, *, keep_probability):
 
 
 def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
-            block_shape=None, transpose_grid: bool = False, tile=prng.DEFAULT_TILE) -> jax.Array:
+            block_shape=None, transpose_grid: bool = False, tile=prng.DEFAULT_TILE,
+            mask_shared_over_first_dim: bool = False) -> jax.Array:
     """``where(bernoulli(key, 1 - p, x.shape), x / (1 - p), 0)`` in one Pallas kernel.
 
     The forward pass calls it on the activation, the backward pass on the gradient with the
@@ -37,6 +38,9 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
         p: drop probability in [0, 1). The keep threshold is ``float32(1 - p)``, as
             ``jax.random.bernoulli(key, 1 - p)`` computes it.
         impl, interpret, block_shape, transpose_grid, tile: see :func:`elementwise.noise_map`.
+        mask_shared_over_first_dim: one mask ``bernoulli(key, 1 - p, x.shape[1:])`` for
+            every index of the first dim (a recurrent net's mask shared over time); needs
+            ``x.ndim >= 1``.
 
     Returns:
         An array like ``x``.
@@ -50,5 +54,8 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
     if x.size == 0:
         return x
     transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
+    if mask_shared_over_first_dim and x.ndim == 0:
+        raise ValueError("mask_shared_over_first_dim needs an input with at least one dimension")
     return elementwise.noise_map(key_data, x.shape, transform, x.dtype, x, impl=impl, interpret=interpret,
-                                 block_shape=block_shape, transpose_grid=transpose_grid, tile=tile)
+                                 block_shape=block_shape, transpose_grid=transpose_grid, tile=tile,
+                                 same_noise_over_first_dim=mask_shared_over_first_dim)

@@ -8,6 +8,7 @@ chunk's random bits and writes ``transform(bits[, operand chunk])``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import layout, prng
 
 
-def _noise_kernel(key_ref, *refs, impl, transform, num_cols, rows_per_chunk, tile, transpose_grid):
+def _noise_kernel(key_ref, *refs, impl, transform, num_cols, rows_per_chunk, tile, transpose_grid, same_noise_per_row):
     out_ref = refs[-1]
     operand_ref = refs[0] if len(refs) == 2 else None
     block_rows, block_cols = out_ref.shape
@@ -27,7 +28,13 @@ def _noise_kernel(key_ref, *refs, impl, transform, num_cols, rows_per_chunk, til
 
     def chunk(row_offset):
         rows = pl.ds(row_offset, rows_per_chunk)
-        bits = prng.chunk_bits(impl, key_ref, (rows_per_chunk, block_cols), row0 + row_offset, col0, num_cols, tile)
+        if same_noise_per_row:
+            # Every row gets row 0's bits: draw one row (one tile row for the hardware PRNG).
+            drawn_rows = tile[0] if impl == prng.HARDWARE else 1
+            bits = prng.chunk_bits(impl, key_ref, (drawn_rows, block_cols), 0, col0, num_cols, tile)
+            bits = jnp.broadcast_to(bits[:1], (rows_per_chunk, block_cols))
+        else:
+            bits = prng.chunk_bits(impl, key_ref, (rows_per_chunk, block_cols), row0 + row_offset, col0, num_cols, tile)
         if operand_ref is None:
             out_ref[rows, :] = transform(bits)
         else:
@@ -38,7 +45,7 @@ def _noise_kernel(key_ref, *refs, impl, transform, num_cols, rows_per_chunk, til
 
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
               impl: str, interpret: bool, block_shape=None, transpose_grid: bool = False,
-              tile=prng.DEFAULT_TILE) -> jax.Array:
+              tile=prng.DEFAULT_TILE, same_noise_over_first_dim: bool = False) -> jax.Array:
     """``transform(bits[, operand])`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
@@ -51,6 +58,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         out_dtype: the kernel's output dtype.
         operand: optional array of ``shape`` read elementwise.
         impl, interpret, block_shape, transpose_grid, tile: see :func:`sampling.sample`.
+        same_noise_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
+            of shape ``shape[1:]`` (for example one dropout mask per sequence, shared over
+            time). The kernel then views the tensor as ``(shape[0], prod(shape[1:]))``.
 
     Raises:
         ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, or a block
@@ -59,7 +69,10 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     prng.check_impl(impl)
     if impl == prng.HARDWARE and interpret:
         raise ValueError('impl="hardware" runs only compiled on TPU; use impl="threefry" in interpret mode')
-    rows, cols = layout.view_2d(shape)
+    if same_noise_over_first_dim:
+        rows, cols = shape[0], math.prod(shape[1:])
+    else:
+        rows, cols = layout.view_2d(shape)
     view_rows, view_cols = rows, cols
     if impl == prng.HARDWARE:
         # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
@@ -85,7 +98,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         operands.append(operand)
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, num_cols=view_cols, tile=tile,
-        transpose_grid=transpose_grid,
+        transpose_grid=transpose_grid, same_noise_per_row=same_noise_over_first_dim,
         rows_per_chunk=layout.chunk_rows(
             block_shape[0], interpret=interpret, tile_rows=tile[0] if impl == prng.HARDWARE else None))
     out = pl.pallas_call(

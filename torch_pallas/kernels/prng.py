@@ -86,8 +86,8 @@ def threefry_bits(k0, k1, flat_index: jax.Array) -> jax.Array:
 
 def block_flat_index(block_shape: tuple[int, int], row0, col0, num_cols: int) -> jax.Array:
     """uint32 global row-major indices of a (rows, cols) block at (row0, col0)."""
-    rows = lax.broadcasted_iota(jnp.uint32, block_shape, 0) + row0.astype(jnp.uint32)
-    cols = lax.broadcasted_iota(jnp.uint32, block_shape, 1) + col0.astype(jnp.uint32)
+    rows = lax.broadcasted_iota(jnp.uint32, block_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
+    cols = lax.broadcasted_iota(jnp.uint32, block_shape, 1) + lax.convert_element_type(col0, jnp.uint32)
     return rows * np.uint32(num_cols) + cols
 
 
