@@ -29,3 +29,15 @@ def ulp_distance(a, b) -> int:
     a = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
     b = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
     return int(np.abs(a - b).max()) if a.size else 0
+
+
+def indrnn_reference(x, weight, h0, nonlinearity):
+    """The IndRNN recurrence as a plain torch loop (run it on float64 CPU tensors)."""
+    import torch
+
+    activation = torch.relu if nonlinearity == "relu" else torch.tanh
+    h, outputs = h0, []
+    for x_t in x:
+        h = activation(x_t + weight * h)
+        outputs.append(h)
+    return torch.stack(outputs), h

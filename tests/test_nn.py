@@ -6,7 +6,9 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_pallas
-from torch_pallas.nn import Dropout, convert_dropout
+from reference import indrnn_reference
+from torch_pallas.functional.dropout import apply_dropout
+from torch_pallas.nn import Dropout, IndRNN, convert_dropout
 
 
 def xla(t):
@@ -100,3 +102,154 @@ def test_compiled_explicit_seed_equals_eager():
     compiled = torch.compile(_seeded, backend="openxla", fullgraph=True)
     assert torch.equal(compiled(x).cpu(), _seeded(x).cpu())
     assert torch.equal(compiled(x).cpu(), _seeded(x).cpu())
+
+
+# --- IndRNN ---------------------------------------------------------------------------
+
+def module_reference(module, x, hx):
+    """The module's computation in float64 on the CPU, from its own parameters."""
+    parameters = {name: p.detach().cpu().double() for name, p in module.named_parameters()}
+    sequence = x.double()
+    states = []
+    for layer in range(module.num_layers):
+        outputs = []
+        for direction, suffix in enumerate([f"_l{layer}", f"_l{layer}_reverse"][:module.num_directions]):
+            projected = sequence @ parameters[f"weight_ih{suffix}"].T + parameters.get(f"bias_ih{suffix}", 0)
+            if direction:
+                projected = projected.flip(0)
+            output, h_n = indrnn_reference(projected, parameters[f"weight_hh{suffix}"],
+                                           hx[layer * module.num_directions + direction].double(), module.nonlinearity)
+            outputs.append(output.flip(0) if direction else output)
+            states.append(h_n)
+        sequence = torch.cat(outputs, dim=-1)
+    return sequence, torch.stack(states)
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_layers=2, bidirectional=True),
+    dict(num_layers=1, nonlinearity="tanh", bias=False),
+])
+def test_indrnn_module_matches_float64_reference(options):
+    torch.manual_seed(0)
+    module = IndRNN(6, 130, **options).to(torch_xla.device())
+    x = torch.randn(11, 3, 6)
+    hx = torch.randn(module.num_layers * module.num_directions, 3, 130)
+    output, h_n = module(xla(x), xla(hx))
+    expected_output, expected_h_n = module_reference(module, x, hx)
+    assert output.shape == (11, 3, 130 * module.num_directions)
+    assert h_n.shape == (module.num_layers * module.num_directions, 3, 130)
+    torch.testing.assert_close(output.cpu().double(), expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_n.cpu().double(), expected_h_n, rtol=1e-5, atol=1e-5)
+
+
+def test_indrnn_module_batch_first_and_unbatched():
+    torch.manual_seed(0)
+    module = IndRNN(6, 130, batch_first=True).to(torch_xla.device())
+    x = torch.randn(3, 11, 6)
+    output, h_n = module(xla(x))
+    expected, expected_h_n = module_reference(module, x.transpose(0, 1), torch.zeros(1, 3, 130))
+    torch.testing.assert_close(output.cpu().double(), expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    single, single_h_n = module(xla(x[0]))  # unbatched: (T, features)
+    assert single.shape == (11, 130) and single_h_n.shape == (1, 130)
+    torch.testing.assert_close(single.cpu(), output[0].cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_indrnn_module_initialisation_repr_and_clipping():
+    module = IndRNN(4, 256, num_layers=2, recurrent_max_abs=0.5, dropout=0.1)
+    assert repr(module) == "IndRNN(4, 256, num_layers=2, dropout=0.1, recurrent_max_abs=0.5)"
+    for weight in module.recurrent_weights():
+        assert weight.min() >= 0 and weight.max() <= 0.5  # U(0, 1), clipped
+    assert abs(module.weight_ih_l0).max() <= 1 / 256**0.5
+    module.to(torch_xla.device())
+    optimizer = torch.optim.SGD(module.parameters(), lr=100.0)
+    handle = module.clip_after(optimizer)
+    output, _ = module(xla(torch.randn(5, 2, 4)))
+    output.sum().backward()
+    optimizer.step()
+    for weight in module.recurrent_weights():
+        assert weight.abs().max().item() <= 0.5
+    handle.remove()
+
+
+def test_indrnn_dropout_mask_is_shared_over_time(monkeypatch):
+    torch.manual_seed(0)
+    module = IndRNN(4, 128, num_layers=2, dropout=0.5).to(torch_xla.device())
+    dropped = []
+
+    def recording_dropout(x, *args, **kwargs):
+        result = apply_dropout(x, *args, **kwargs)
+        dropped.append((x.detach().cpu(), result.detach().cpu()))
+        return result
+
+    monkeypatch.setattr(torch_pallas.nn, "apply_dropout", recording_dropout)
+    module(xla(torch.rand(6, 3, 4)))
+    (before, after), = dropped
+    kept = (after != 0) | (before == 0)  # a ReLU-zero unit is neither kept nor dropped
+    dropped_units = (after == 0) & (before != 0)
+    assert dropped_units.any() and kept.any()
+    for t in range(1, 6):  # a unit dropped at one time step is dropped at every one where it fires
+        both_active = (before[t] != 0) & (before[0] != 0)
+        assert torch.equal((after[t] != 0)[both_active], (after[0] != 0)[both_active])
+    module.eval()
+    dropped.clear()
+    module(xla(torch.rand(6, 3, 4)))
+    assert not dropped, "dropout ran in eval mode"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(input_size=0), dict(hidden_size=-1), dict(num_layers=1.5), dict(nonlinearity="gelu"),
+    dict(dropout=1.5), dict(recurrent_max_abs=0.0), dict(recurrent_max_abs=float("inf")),
+])
+def test_indrnn_module_rejects_bad_arguments(bad):
+    arguments = dict(input_size=4, hidden_size=8) | bad
+    with pytest.raises(ValueError):
+        IndRNN(**arguments)
+
+
+def test_indrnn_module_rejects_bad_input():
+    module = IndRNN(4, 8).to(torch_xla.device())
+    with pytest.raises(ValueError, match="4 features"):
+        module(xla(torch.zeros(5, 2, 3)))
+    with pytest.raises(ValueError, match="2-D .* or 3-D"):
+        module(xla(torch.zeros(5)))
+    with pytest.raises(ValueError, match=r"hx must have shape \(1, 2, 8\)"):
+        module(xla(torch.zeros(5, 2, 4)), xla(torch.zeros(2, 8)))
+
+
+class SequenceRegressor(torch.nn.Module):
+    """IndRNN over a sequence, a linear read-out of the last step."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = IndRNN(2, 64, num_layers=2, dropout=0.1, recurrent_max_abs=1.0)
+        self.readout = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        output, _ = self.rnn(x)
+        return self.readout(output[-1])
+
+
+def test_indrnn_trains_under_compile_with_one_compile():
+    torch.manual_seed(0)
+    # The task: the mean of the first channel over time, where the second channel is noise.
+    x = torch.rand(20, 64, 2)
+    target = x[:, :, :1].mean(0)
+    model = SequenceRegressor().to(torch_xla.device())
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.rnn.clip_after(optimizer)
+    compiled = torch.compile(model, backend="openxla", fullgraph=True)
+    x, target = xla(x), xla(target)
+
+    def step():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), target)
+        loss.backward()
+        optimizer.step()
+        torch_xla.sync()
+        return loss.item()
+
+    losses = [step() for _ in range(3)]  # warm-up
+    compiles = met.metric_data("CompileTime")[0]
+    losses += [step() for _ in range(57)]
+    assert met.metric_data("CompileTime")[0] == compiles, "a training step compiled a new XLA graph"
+    assert sum(losses[-5:]) / 5 < 0.3 * losses[0], losses

@@ -1,0 +1,113 @@
+"""torch_pallas.indrnn against a float64 loop: outputs and every gradient, many shapes."""
+
+import pytest
+import torch
+import torch_xla
+
+import torch_pallas
+from reference import indrnn_reference
+
+
+def relative_error(got, expected):
+    expected = expected.double()
+    return ((got.detach().double().cpu() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def random_case(shape, weight_range=(0.0, 1.0), seed=0):
+    T, B, F = shape
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
+    low, high = weight_range
+    weight = low + (high - low) * torch.rand(F, generator=generator, dtype=torch.float64)
+    h0 = torch.randn(B, F, generator=generator, dtype=torch.float64)
+    grad_output = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
+    grad_h_n = torch.randn(B, F, generator=generator, dtype=torch.float64)
+    return x, weight, h0, grad_output, grad_h_n
+
+
+def check_against_reference(x, weight, h0, grad_output, grad_h_n, nonlinearity, batch_first=False):
+    leaves = [t.clone().requires_grad_() for t in (x, weight, h0)]
+    output, h_n = indrnn_reference(*leaves, nonlinearity)
+    ((output * grad_output).sum() + (h_n * grad_h_n).sum()).backward()
+
+    device = torch_xla.device()
+    ours = [t.float().to(device).requires_grad_() for t in (x, weight, h0)]
+    x_in = ours[0].transpose(0, 1) if batch_first else ours[0]
+    got_output, got_h_n = torch_pallas.indrnn(x_in, ours[1], ours[2], nonlinearity=nonlinearity,
+                                              batch_first=batch_first)
+    if batch_first:
+        got_output = got_output.transpose(0, 1)
+    g_out, g_hn = grad_output.float().to(device), grad_h_n.float().to(device)
+    ((got_output * g_out).sum() + (got_h_n * g_hn).sum()).backward()
+
+    assert relative_error(got_output, output) <= 1e-5
+    assert relative_error(got_h_n, h_n) <= 1e-5
+    for got, leaf in zip(ours, leaves):
+        assert relative_error(got.grad, leaf.grad) <= 1e-4
+
+
+@pytest.mark.parametrize("nonlinearity", ["relu", "tanh"])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (37, 3, 200), (1, 4, 130)], ids=["aligned", "unaligned", "T=1"])
+def test_matches_float64_loop(shape, nonlinearity):
+    check_against_reference(*random_case(shape), nonlinearity)
+
+
+def test_batch_first():
+    check_against_reference(*random_case((9, 5, 130)), "tanh", batch_first=True)
+
+
+def test_benchmark_shape():
+    # The public benchmark's case: T = 1000, F = 1000, B = 1, relu, w = 1, h0 = 0.
+    x, _, _, grad_output, grad_h_n = random_case((1000, 1, 1000))
+    check_against_reference(x, torch.ones(1000, dtype=torch.float64), torch.zeros(1, 1000, dtype=torch.float64),
+                            grad_output, grad_h_n, "relu")
+
+
+def test_h0_defaults_to_zeros_and_unused_outputs_get_no_gradient():
+    x, weight, _, _, _ = random_case((8, 2, 128))
+    device = torch_xla.device()
+    x, weight = x.float().to(device).requires_grad_(), weight.float().to(device).requires_grad_()
+    output, h_n = torch_pallas.indrnn(x, weight)
+    reference_output, _ = indrnn_reference(x.detach().cpu().double(), weight.detach().cpu().double(),
+                                           torch.zeros(2, 128, dtype=torch.float64), "relu")
+    assert relative_error(output, reference_output) <= 1e-5
+    h_n.sum().backward()  # output unused: its gradient is zero
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad.cpu()).all()
+
+
+def test_bfloat16_input_keeps_dtype_and_tracks_reference():
+    x, weight, h0, _, _ = random_case((16, 8, 128))
+    device = torch_xla.device()
+    output, h_n = torch_pallas.indrnn(x.to(device, torch.bfloat16), weight.float().to(device),
+                                      h0.to(device, torch.bfloat16), nonlinearity="tanh")
+    assert output.dtype == torch.bfloat16 and h_n.dtype == torch.bfloat16
+    reference_output, _ = indrnn_reference(x.to(torch.bfloat16).double(), weight, h0.to(torch.bfloat16).double(), "tanh")
+    assert relative_error(output, reference_output) <= 2e-2
+
+
+def test_empty_sequence_returns_h0():
+    device = torch_xla.device()
+    h0 = torch.randn(2, 128).to(device)
+    output, h_n = torch_pallas.indrnn(torch.empty(0, 2, 128, device=device), torch.rand(128).to(device), h0)
+    assert output.shape == (0, 2, 128) and torch.equal(h_n.cpu(), h0.cpu())
+
+
+def _xla(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=torch_xla.device())
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(7)), ValueError, r"weight must have shape \(8,\)"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), _xla(3, 8)), ValueError, r"h0 must have shape \(2, 8\)"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), _xla(4, 2, 8)), ValueError, "h0 must have shape"),
+    (lambda: torch_pallas.indrnn(_xla(4, 8), _xla(8)), ValueError, "3-D"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(1, 8)), ValueError, "weight must have shape"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), nonlinearity="sigmoid"), ValueError, "nonlinearity"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8, dtype=torch.int32), _xla(8)), TypeError, "x must be float32"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8, dtype=torch.int64)), TypeError, "weight must be float32"),
+    (lambda: torch_pallas.indrnn(torch.zeros(4, 2, 8), _xla(8)), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda: torch_pallas.indrnn([[[0.0]]], _xla(1)), TypeError, "x must be a torch.Tensor"),
+])
+def test_bad_input_raises(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

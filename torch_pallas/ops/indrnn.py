@@ -1,0 +1,63 @@
+"""``torch_pallas::indrnn`` and its backward: the Pallas recurrence as differentiable ops.
+
+Time-major throughout. The forward saves its outputs (not the pre-activations): the
+backward kernel takes the activation's derivative from ``h_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pallas import bridge
+from torch_pallas.kernels import indrnn as indrnn_kernels
+
+
+@torch.library.custom_op("torch_pallas::indrnn", mutates_args=())
+def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h_t = act(x_t + weight * h_{t-1})`` over ``x`` (T, B, F); returns (output, h_n). Pre-checked."""
+    if x.numel() == 0:
+        return torch.empty_like(x), h0.to(x.dtype, copy=True)
+    output, h_n = bridge.call(indrnn_kernels.indrnn_forward, x, weight, h0, nonlinearity=nonlinearity)
+    return output, h_n
+
+
+@indrnn.register_fake
+def _(x, weight, h0, nonlinearity):
+    return torch.empty_like(x), x.new_empty(h0.shape)
+
+
+@torch.library.custom_op("torch_pallas::indrnn_backward", mutates_args=())
+def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: torch.Tensor, weight: torch.Tensor,
+                    h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (x, weight, h0) of :func:`indrnn` from its saved outputs."""
+    if output.numel() == 0:
+        return torch.zeros_like(output), torch.zeros_like(weight), grad_h_n.to(h0.dtype, copy=True)
+    grad_x, grad_weight, grad_h0 = bridge.call(
+        indrnn_kernels.indrnn_backward, grad_output, grad_h_n, output, weight, h0, nonlinearity=nonlinearity)
+    return grad_x, grad_weight, grad_h0
+
+
+@indrnn_backward.register_fake
+def _(grad_output, grad_h_n, output, weight, h0, nonlinearity):
+    return torch.empty_like(output), torch.empty_like(weight), torch.empty_like(h0)
+
+
+def _setup_context(ctx, inputs, output):
+    _, weight, h0, nonlinearity = inputs
+    sequence, _ = output  # the op returns (output, h_n)
+    ctx.save_for_backward(sequence, weight, h0)
+    ctx.nonlinearity = nonlinearity
+
+
+def _backward(ctx, grad_output, grad_h_n):
+    output, weight, h0 = ctx.saved_tensors
+    if grad_output is None:
+        grad_output = torch.zeros_like(output)
+    if grad_h_n is None:
+        grad_h_n = torch.zeros_like(h0)
+    grad_x, grad_weight, grad_h0 = indrnn_backward(
+        grad_output.to(output.dtype), grad_h_n, output, weight, h0, ctx.nonlinearity)
+    return grad_x, grad_weight, grad_h0, None
+
+
+indrnn.register_autograd(_backward, setup_context=_setup_context)
