@@ -1,0 +1,172 @@
+"""Timing and reporting shared by the benchmarks.
+
+Every measurement excludes warm-up calls, reports the median of repeated runs, and reports
+XLA compile time (torch_xla's CompileTime metric) separately from run time. A run is
+wall-clock time from the call until the results exist on the device (:func:`wait_for_xla`;
+``block_until_ready`` for JAX), so lazy-tensor tracing is included: it is part of what an
+eager-mode user pays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    repeats: int
+    compile_s: float = 0.0      # XLA compile time during warm-up (torch_xla metric), or JAX lower+compile
+    compiles: int = 0           # XLA compiles during warm-up
+    compiles_after_warmup: int = 0
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _compile_metric():
+    import torch_xla.debug.metrics as metrics
+
+    data = metrics.metric_data("CompileTime")
+    return (0, 0.0) if data is None else (int(data[0]), float(data[1]) / 1e9)
+
+
+def wait_for_xla(outputs=()) -> None:
+    """Runs the pending lazy graph and returns once ``outputs`` exist on the device.
+
+    Neither ``torch_xla.sync(wait=True)`` nor ``xm.wait_device_ops()`` reliably waited for
+    execution on the CPU client (a dropout timed at 4 ms that takes 25 ms in JAX directly),
+    so one element of every output is put in the same graph and fetched: a buffer cannot be
+    read before it has been computed. The fetch costs a few bytes.
+    """
+    import torch
+    import torch_xla
+
+    tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+               if isinstance(t, torch.Tensor) and t.numel()]
+    probes = [t.reshape(-1)[:1] for t in tensors]
+    torch_xla.sync()
+    for probe in probes:
+        probe.cpu()
+    if not probes:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+
+def time_xla(fn, *, warmup: int = 2, repeats: int = 10) -> Timing:
+    """Times ``fn`` (which returns the tensors it computes) on the XLA device."""
+
+    def run():
+        wait_for_xla(fn())
+
+    count0, seconds0 = _compile_metric()
+    for _ in range(warmup):
+        run()
+    count1, seconds1 = _compile_metric()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - start) * 1e3)
+    count2, _ = _compile_metric()
+    return Timing(statistics.median(samples), min(samples), repeats, seconds1 - seconds0, count1 - count0,
+                  count2 - count1)
+
+
+def time_host(fn, *, warmup: int = 2, repeats: int = 10) -> Timing:
+    """Times a synchronous host function (torch eager on CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Timing(statistics.median(samples), min(samples), repeats)
+
+
+def time_jax(fn, *args, warmup: int = 2, repeats: int = 10) -> Timing:
+    """Times a jitted JAX function; its first call (trace + compile) is reported as compile time."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - start) * 1e3)
+    median = statistics.median(samples)
+    return Timing(median, min(samples), repeats, compile_s=max(first - median / 1e3, 0.0), compiles=1)
+
+
+def machine() -> dict:
+    import jax
+    import torch
+    import torch_xla
+
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+        "pjrt_device": os.environ.get("PJRT_DEVICE"), "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__, "jax": jax.__version__, "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "gpu": "not measured: no accelerator was lent to the session that produced these results",
+    }
+
+
+def ratio(value, reference):
+    return None if value is None or not reference else value / reference
+
+
+def write(name: str, payload: dict, table_md: str, plot) -> None:
+    """Writes results/<name>.json (raw), .md (table) and .png (``plot(path)``)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), **payload}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=lambda o: o.as_dict()))
+    header = (f"<!-- generated by bench/run.py; do not edit -->\n\nMachine: {payload['machine']['cpu']}, "
+              f"{payload['machine']['cores']} cores, PJRT_DEVICE={payload['machine']['pjrt_device']}; "
+              f"torch {payload['machine']['torch']}, torch_xla {payload['machine']['torch_xla']}, "
+              f"jax {payload['machine']['jax']}; mode: {payload.get('mode')}; {payload['machine']['date']}. "
+              f"GPU: {payload['machine']['gpu']}.\n\n")
+    (RESULTS / f"{name}.md").write_text(header + table_md)
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(RESULTS / f"{name}.png")
+
+
+def markdown_table(headers, rows) -> str:
+    def cell(value):
+        if value is None:
+            return "—"
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,38 @@
+"""Runs the benchmarks and writes bench/results/<name>.{json,md,png}.
+
+    ./dev bench                 # quick mode (a few minutes on 2 CPU cores)
+    ./dev bench --full          # full mode (adds sizes, repeats, the unrolled-loop compile at T=1000)
+    ./dev bench --only dropout  # one of: dropout, indrnn, training
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_pallas  # noqa: E402,F401  (torch_xla before JAX)
+
+import bench_dropout  # noqa: E402
+import bench_indrnn  # noqa: E402
+import bench_training  # noqa: E402
+
+BENCHMARKS = {"dropout": bench_dropout, "indrnn": bench_indrnn, "training": bench_training}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="full mode instead of quick")
+    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append", help="run only these")
+    args = parser.parse_args()
+    for name in args.only or BENCHMARKS:
+        start = time.perf_counter()
+        print(f"== {name} ({'full' if args.full else 'quick'})", flush=True)
+        print(BENCHMARKS[name].run(args.full), flush=True)
+        print(f"   {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
