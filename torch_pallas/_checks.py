@@ -48,6 +48,16 @@ def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def check_float_tensor(tensor, name: str) -> torch.Tensor:
+    """A float32/bfloat16/float16 tensor on an XLA device, or TypeError/ValueError naming ``name``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+    bridge.check_on_xla(tensor, name)
+    return tensor
+
+
 def resolve_impl(impl) -> str:
     """``impl`` or the platform default; ``"hardware"`` only on TPU."""
     if impl is None:

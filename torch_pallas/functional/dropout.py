@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, bridge, seeds
+from torch_pallas import _checks, seeds
 from torch_pallas.ops import dropout as dropout_op
-
-
-def check_tensor(x, name: str = "x") -> torch.Tensor:
-    """A floating-point tensor on an XLA device, or TypeError/ValueError naming ``name``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    bridge.check_on_xla(x, name)
-    return x
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None, generator=None,
@@ -63,7 +53,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
 def apply_dropout(x, p, training, *, seed=None, generator=None, impl=None, mask_shared_over_first_dim=False):
     """:func:`dropout`, optionally with one mask of shape ``x.shape[1:]`` shared by every
     index of the first dim (for recurrent nets: the same mask at every time step)."""
-    check_tensor(x)
+    _checks.check_float_tensor(x, "x")
     p = _checks.check_probability(p)
     impl = _checks.resolve_impl(impl)
     if seed is not None:

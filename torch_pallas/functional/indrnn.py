@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, bridge
+from torch_pallas import _checks
 from torch_pallas.ops import indrnn as indrnn_op
 
 NONLINEARITIES = ("relu", "tanh")
-
-
-def _check_float_tensor(tensor, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
-    bridge.check_on_xla(tensor, name)
 
 
 def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None, *, nonlinearity: str = "relu",
@@ -53,8 +45,8 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     """
     if nonlinearity not in NONLINEARITIES:
         raise ValueError(f"nonlinearity must be 'relu' or 'tanh', got {nonlinearity!r}")
-    _check_float_tensor(x, "x")
-    _check_float_tensor(weight, "weight")
+    _checks.check_float_tensor(x, "x")
+    _checks.check_float_tensor(weight, "weight")
     if x.dim() != 3:
         layout = "(B, T, F)" if batch_first else "(T, B, F)"
         raise ValueError(f"x must be 3-D {layout}, got shape {tuple(x.shape)}")
@@ -66,7 +58,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     if h0 is None:
         h0 = x.new_zeros(batch, features)
     else:
-        _check_float_tensor(h0, "h0")
+        _checks.check_float_tensor(h0, "h0")
         if h0.shape != (batch, features):
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     output, h_n = indrnn_op.indrnn(time_major.contiguous(), weight, h0, nonlinearity)

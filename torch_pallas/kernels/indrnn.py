@@ -70,6 +70,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torch_pallas.kernels import layout
+
 __all__ = ["NONLINEARITIES", "default_block_shape", "indrnn_forward", "indrnn_backward"]
 
 NONLINEARITIES = ("relu", "tanh")
@@ -124,10 +126,6 @@ def _activation_derivative_from_output(hidden: jax.Array, nonlinearity: str) -> 
     return 1.0 - hidden * hidden
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _balanced_block(length: int, max_block: int) -> int:
     """Smallest block that splits ``length`` into as few blocks as ``max_block`` allows.
 
@@ -171,7 +169,7 @@ def default_block_shape(
     # Packed dtypes fill a vreg's sublanes with 32 // bits rows, so a (bb, bf) slab
     # occupies at least this many rows of VMEM.
     sublane_tile = _SUBLANES * max(1, 4 // itemsize)
-    step_bytes = _round_up(block_b, sublane_tile) * _round_up(block_f, _LANES) * itemsize
+    step_bytes = layout.round_up(block_b, sublane_tile) * layout.round_up(block_f, _LANES) * itemsize
     max_block_t = max(8, min(_TPU_MAX_BLOCK_T, _TPU_BLOCK_BYTES // step_bytes))
     return _balanced_block(T, max_block_t), block_b, block_f
 
