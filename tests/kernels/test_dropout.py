@@ -50,7 +50,7 @@ def test_p_one_is_rejected_by_the_kernel():
 
 @pytest.mark.parametrize("impl", prng.IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", [(1000, 1000), (64, 2048), (3, 5, 129)])
+@pytest.mark.parametrize("shape", [(1000, 1000), (64, 2048), (3, 5, 129), (1000001,)])
 def test_lowers_for_tpu(impl, dtype, shape):
     kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False)
     exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(

@@ -58,8 +58,11 @@ def default_block_shape(rows: int, cols: int, itemsize: int = 4, *, interpret: b
         block_cols = cols
         target = _INTERPRET_BLOCK_ELEMENTS
     else:
-        block_cols = cols if cols <= _TPU_MAX_BLOCK_COLS else _TPU_MAX_BLOCK_COLS
         target = _TPU_BLOCK_BYTES // itemsize
+        # A view of few rows (an odd-sized tensor seen as one row) gets wide blocks instead
+        # of many tiny ones.
+        max_cols = _TPU_MAX_BLOCK_COLS if rows >= 8 else max(128, target // rows // 128 * 128)
+        block_cols = cols if cols <= max_cols else max_cols
     block_rows = max(8, (target // block_cols) // 8 * 8)
     return (rows if block_rows >= rows else block_rows), block_cols
 
