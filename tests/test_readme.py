@@ -1,0 +1,18 @@
+"""The README's tour is code a new user pastes: it must run as written."""
+
+import re
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_tour_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README has no python snippet"
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    assert namespace["output"].shape == (100, 8, 512) and namespace["h_n"].shape == (4, 8, 256)
+    assert namespace["b"].dtype == torch.bool and namespace["z"].dtype == torch.bfloat16
