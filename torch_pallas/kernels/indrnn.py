@@ -332,27 +332,38 @@ def indrnn_forward(
     return _forward_call(x, weight, h0, nonlinearity=nonlinearity, interpret=interpret, block_shape=block_shape)
 
 
-# Jitted so that eager calls with the same shapes and options reuse one compile.
-@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
-def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int]):
-    T, B, F = x.shape
+def _grid_and_shared_specs(shape, block_shape, *, reverse_time: bool):
+    """The (batch block, feature block, time block) grid both kernels walk, the specs they
+    share, and the static time bookkeeping their kernels take.
+
+    ``reverse_time`` maps grid step t to time block ``num_time_blocks - 1 - t`` (backward).
+    Returns ``(grid, time_block_of, sequence_spec, state_spec, weight_spec, time_options)``.
+    """
+    T, B, F = shape
     block_t, block_b, block_f = block_shape
     num_time_blocks = pl.cdiv(T, block_t)
     grid = (pl.cdiv(B, block_b), pl.cdiv(F, block_f), num_time_blocks)
 
-    sequence_spec = pl.BlockSpec((block_t, block_b, block_f), lambda b, f, t: (t, b, f))
+    def time_block_of(t):
+        return num_time_blocks - 1 - t if reverse_time else t
+
+    sequence_spec = pl.BlockSpec((block_t, block_b, block_f), lambda b, f, t: (time_block_of(t), b, f))
     state_spec = pl.BlockSpec((block_b, block_f), lambda b, f, t: (b, f))
     # Mosaic has no good layout for 1-D blocks: the weight travels as a (1, F) row.
     weight_spec = pl.BlockSpec((1, block_f), lambda b, f, t: (0, f))
+    time_options = dict(num_time_blocks=num_time_blocks, block_t=block_t,
+                        last_block_steps=T - (num_time_blocks - 1) * block_t)
+    return grid, time_block_of, sequence_spec, state_spec, weight_spec, time_options
 
-    kernel = functools.partial(
-        _forward_kernel,
-        nonlinearity=nonlinearity,
-        num_time_blocks=num_time_blocks,
-        block_t=block_t,
-        last_block_steps=T - (num_time_blocks - 1) * block_t,
-        interpret=interpret,
-    )
+
+# Jitted so that eager calls with the same shapes and options reuse one compile.
+@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
+def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int]):
+    T, B, F = x.shape
+    _, block_b, block_f = block_shape
+    grid, _, sequence_spec, state_spec, weight_spec, time_options = _grid_and_shared_specs(
+        x.shape, block_shape, reverse_time=False)
+    kernel = functools.partial(_forward_kernel, nonlinearity=nonlinearity, interpret=interpret, **time_options)
     itemsize = x.dtype.itemsize
     return pl.pallas_call(
         kernel,
@@ -511,15 +522,9 @@ def _backward_call(
 ):
     T, B, F = output.shape
     block_t, block_b, block_f = block_shape
-    num_time_blocks = pl.cdiv(T, block_t)
-    grid = (pl.cdiv(B, block_b), pl.cdiv(F, block_f), num_time_blocks)
-
-    def reversed_time_block(t):
-        return num_time_blocks - 1 - t
-
-    sequence_spec = pl.BlockSpec(
-        (block_t, block_b, block_f), lambda b, f, t: (reversed_time_block(t), b, f)
-    )
+    grid, reversed_time_block, sequence_spec, state_spec, weight_spec, time_options = _grid_and_shared_specs(
+        output.shape, block_shape, reverse_time=True)
+    num_time_blocks = time_options["num_time_blocks"]
     # One time step of `output`: h at the step before the block's first step. The
     # time extent is 1, so the block index is the step index. Time block 0 has no
     # such row (h0 is used there); its index is clamped to a harmless 0.
@@ -527,17 +532,7 @@ def _backward_call(
         (None, block_b, block_f),
         lambda b, f, t: (jnp.maximum(reversed_time_block(t) * block_t - 1, 0), b, f),
     )
-    state_spec = pl.BlockSpec((block_b, block_f), lambda b, f, t: (b, f))
-    weight_spec = pl.BlockSpec((1, block_f), lambda b, f, t: (0, f))
-
-    kernel = functools.partial(
-        _backward_kernel,
-        nonlinearity=nonlinearity,
-        num_time_blocks=num_time_blocks,
-        block_t=block_t,
-        last_block_steps=T - (num_time_blocks - 1) * block_t,
-        interpret=interpret,
-    )
+    kernel = functools.partial(_backward_kernel, nonlinearity=nonlinearity, interpret=interpret, **time_options)
     itemsize = output.dtype.itemsize
     grad_x, grad_h0, grad_weight_rows = pl.pallas_call(
         kernel,
