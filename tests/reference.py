@@ -9,7 +9,7 @@ SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
 
 
 def key_data(seed: int) -> np.ndarray:
-    """int32 (2,) key data for a 64-bit seed, as DESIGN.md defines it."""
+    """int32 (2,) key data for a 64-bit seed, as the README's noise contract defines it."""
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32).view(np.int32)
 
 
@@ -32,12 +32,29 @@ def ulp_distance(a, b) -> int:
 
 
 def indrnn_reference(x, weight, h0, nonlinearity):
-    """The IndRNN recurrence as a plain torch loop (run it on float64 CPU tensors)."""
-    import torch
-
-    activation = torch.relu if nonlinearity == "relu" else torch.tanh
-    h, outputs = h0, []
+    """The IndRNN recurrence in float64 NumPy: ``(output, h_n)``."""
+    x, weight, h0 = (np.asarray(a, np.float64) for a in (x, weight, h0))
+    activate = (lambda a: np.maximum(a, 0.0)) if nonlinearity == "relu" else np.tanh
+    hidden, outputs = h0, []
     for x_t in x:
-        h = activation(x_t + weight * h)
-        outputs.append(h)
-    return torch.stack(outputs), h
+        hidden = activate(x_t + weight * hidden)
+        outputs.append(hidden)
+    output = np.stack(outputs) if outputs else np.zeros_like(x)
+    return output, hidden
+
+
+def indrnn_reference_gradients(output, weight, h0, grad_output, grad_h_n, nonlinearity):
+    """Gradients ``(grad_x, grad_weight, grad_h0)`` of :func:`indrnn_reference`, in float64
+    NumPy, by the chain rule written out step by step in reverse time."""
+    output, weight, h0, grad_output, grad_h_n = (
+        np.asarray(a, np.float64) for a in (output, weight, h0, grad_output, grad_h_n))
+    grad_x = np.zeros_like(output)
+    grad_weight = np.zeros_like(weight)
+    grad_from_future = grad_h_n
+    for t in reversed(range(output.shape[0])):
+        derivative = (output[t] > 0).astype(np.float64) if nonlinearity == "relu" else 1.0 - output[t] ** 2
+        grad_pre_activation = (grad_output[t] + grad_from_future) * derivative
+        grad_x[t] = grad_pre_activation
+        grad_weight += (grad_pre_activation * (output[t - 1] if t > 0 else h0)).sum(axis=0)
+        grad_from_future = weight * grad_pre_activation
+    return grad_x, grad_weight, grad_from_future

@@ -76,10 +76,8 @@ def test_low_precision_dtypes(dtype):
 
 
 def test_mask_shared_over_first_dim_is_one_jax_mask_for_every_step():
-    from torch_pallas.functional.dropout import apply_dropout
-
     x = positive((6, 3, 130)).requires_grad_()
-    y = apply_dropout(x, 0.4, True, seed=SEEDS[1], mask_shared_over_first_dim=True)
+    y = torch_pallas.dropout(x, 0.4, seed=SEEDS[1], shared_over_first_dim=True)
     keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.6, (3, 130)))
     np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, np.broadcast_to(keep, (6, 3, 130)))
     y.sum().backward()
@@ -178,6 +176,24 @@ def test_bad_input_raises_and_leaves_input_untouched(call, error, match):
     with pytest.raises(error, match=match):
         call(x)
     assert torch.equal(x.cpu(), before)
+
+
+@pytest.mark.parametrize("training,p", [(False, 0.5), (True, 0.0), (True, 1.0)])
+def test_arguments_are_checked_even_when_no_kernel_runs(training, p):
+    x = positive(SHAPE)
+    with pytest.raises(ValueError, match="not both"):
+        torch_pallas.dropout(x, p, training, seed=1, generator=torch.Generator())
+    with pytest.raises(ValueError, match="seed"):
+        torch_pallas.dropout(x, p, training, seed=-1)
+    with pytest.raises(TypeError, match="generator"):
+        torch_pallas.dropout(x, p, training, generator=3)
+    with pytest.raises(ValueError, match="impl"):
+        torch_pallas.dropout(x, p, training, impl="philox")
+
+
+def test_shared_mask_needs_a_dimension():
+    with pytest.raises(ValueError, match="shared_over_first_dim"):
+        torch_pallas.dropout(positive(()), 0.5, shared_over_first_dim=True)
 
 
 @pytest.mark.skipif(torch_pallas.bridge.on_tpu(), reason="hardware is available on TPU")

@@ -7,7 +7,6 @@ import torch_xla.debug.metrics as met
 
 import torch_pallas
 from reference import indrnn_reference
-from torch_pallas.functional.dropout import apply_dropout
 from torch_pallas.nn import Dropout, IndRNN, convert_dropout
 
 
@@ -117,8 +116,9 @@ def module_reference(module, x, hx):
             projected = sequence @ parameters[f"weight_ih{suffix}"].T + parameters.get(f"bias_ih{suffix}", 0)
             if direction:
                 projected = projected.flip(0)
-            output, h_n = indrnn_reference(projected, parameters[f"weight_hh{suffix}"],
-                                           hx[layer * module.num_directions + direction].double(), module.nonlinearity)
+            output, h_n = map(torch.from_numpy, indrnn_reference(
+                projected, parameters[f"weight_hh{suffix}"], hx[layer * module.num_directions + direction],
+                module.nonlinearity))
             outputs.append(output.flip(0) if direction else output)
             states.append(h_n)
         sequence = torch.cat(outputs, dim=-1)
@@ -171,18 +171,26 @@ def test_indrnn_module_initialisation_repr_and_clipping():
     handle.remove()
 
 
-def test_indrnn_dropout_mask_is_shared_over_time(monkeypatch):
-    torch.manual_seed(0)
-    module = IndRNN(4, 128, num_layers=2, dropout=0.5).to(torch_xla.device())
-    dropped = []
+class RecordDropout(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the input and output of every torch_pallas::dropout op that runs."""
 
-    def recording_dropout(x, *args, **kwargs):
-        result = apply_dropout(x, *args, **kwargs)
-        dropped.append((x.detach().cpu(), result.detach().cpu()))
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.torch_pallas.dropout.default:
+            self.calls.append((args[0].detach().cpu(), result.detach().cpu()))
         return result
 
-    monkeypatch.setattr(torch_pallas.nn, "apply_dropout", recording_dropout)
-    module(xla(torch.rand(6, 3, 4)))
+
+def test_indrnn_dropout_mask_is_shared_over_time():
+    torch.manual_seed(0)
+    module = IndRNN(4, 128, num_layers=2, dropout=0.5).to(torch_xla.device())
+    with RecordDropout() as recorder:
+        module(xla(torch.rand(6, 3, 4)))
+    dropped = recorder.calls
     (before, after), = dropped
     kept = (after != 0) | (before == 0)  # a ReLU-zero unit is neither kept nor dropped
     dropped_units = (after == 0) & (before != 0)
@@ -191,9 +199,9 @@ def test_indrnn_dropout_mask_is_shared_over_time(monkeypatch):
         both_active = (before[t] != 0) & (before[0] != 0)
         assert torch.equal((after[t] != 0)[both_active], (after[0] != 0)[both_active])
     module.eval()
-    dropped.clear()
-    module(xla(torch.rand(6, 3, 4)))
-    assert not dropped, "dropout ran in eval mode"
+    with RecordDropout() as recorder:
+        module(xla(torch.rand(6, 3, 4)))
+    assert not recorder.calls, "dropout ran in eval mode"
 
 
 @pytest.mark.parametrize("bad", [

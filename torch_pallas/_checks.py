@@ -1,15 +1,19 @@
-"""Argument checks shared by the public functions; each raises before any kernel runs."""
+"""Argument checks of the public torch functions; each raises before any kernel runs.
+
+The rules shared with the kernels (choices, probabilities, the element limit) live in
+:mod:`torch_pallas.kernels.arguments`, so every layer raises the same message.
+"""
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from torch_pallas import bridge
+from torch_pallas.kernels import prng
+from torch_pallas.kernels.arguments import check_numel, check_one_of, check_probability  # noqa: F401  (re-exported)
 
-NOISE_IMPLS = ("threefry", "hardware")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -25,19 +29,8 @@ def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
         if size < 0:
             raise ValueError(f"{name} must not contain negative sizes, got {tuple(shape)}")
     shape = tuple(int(size) for size in shape)
-    if math.prod(shape) >= 2**32:
-        raise ValueError(f"{name} {shape} has 2**32 or more elements, which torch_pallas does not support")
+    check_numel(shape, name)
     return shape
-
-
-def check_probability(p, name: str = "p") -> float:
-    """A real number in [0, 1] (NaN rejected), as a float."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} {p!r}")
-    p = float(p)
-    if not 0.0 <= p <= 1.0:  # False for NaN too
-        raise ValueError(f"{name} must be in [0, 1], got {p}")
-    return p
 
 
 def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:
@@ -62,9 +55,8 @@ def resolve_impl(impl) -> str:
     """``impl`` or the platform default; ``"hardware"`` only on TPU."""
     if impl is None:
         return bridge.default_noise_impl()
-    if impl not in NOISE_IMPLS:
-        raise ValueError(f"impl must be None, 'threefry' or 'hardware', got {impl!r}")
-    if impl == "hardware" and not bridge.on_tpu():
+    prng.check_impl(impl)
+    if impl == prng.HARDWARE and not bridge.on_tpu():
         raise ValueError(
             "impl='hardware' uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
             "use impl='threefry' (the default off TPU) here")

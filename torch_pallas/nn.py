@@ -9,9 +9,8 @@ import warnings
 import torch
 
 from torch_pallas import _checks
-from torch_pallas.functional import dropout as dropout_fn
-from torch_pallas.functional.dropout import apply_dropout
-from torch_pallas.functional.indrnn import NONLINEARITIES, indrnn
+from torch_pallas.functional import dropout as dropout_fn, indrnn
+from torch_pallas.kernels.indrnn import check_nonlinearity
 
 __all__ = ["Dropout", "IndRNN", "convert_dropout"]
 
@@ -142,8 +141,7 @@ class IndRNN(torch.nn.Module):
         self.input_size = _check_positive_int(input_size, "input_size")
         self.hidden_size = _check_positive_int(hidden_size, "hidden_size")
         self.num_layers = _check_positive_int(num_layers, "num_layers")
-        if nonlinearity not in NONLINEARITIES:
-            raise ValueError(f"nonlinearity must be 'relu' or 'tanh', got {nonlinearity!r}")
+        check_nonlinearity(nonlinearity)
         self.dropout = _checks.check_probability(dropout, "dropout")
         if self.dropout > 0 and self.num_layers == 1:
             warnings.warn("dropout acts between layers; with num_layers=1 it does nothing", stacklevel=2)
@@ -240,7 +238,7 @@ class IndRNN(torch.nn.Module):
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
-                sequence = apply_dropout(sequence, self.dropout, True, mask_shared_over_first_dim=True)
+                sequence = dropout_fn(sequence, self.dropout, shared_over_first_dim=True)
 
         h_n = torch.stack(last_states)
         if not batched:

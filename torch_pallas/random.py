@@ -24,8 +24,8 @@ __all__ = ["uniform", "normal", "bernoulli"]
 def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl):
     shape = _checks.check_shape(shape)
     impl = _checks.resolve_impl(impl)
-    key = seeds.key_data(seed=seed, generator=generator, device=device)
-    return sampling_op.sample(key, shape, distribution, dtype, p, impl)
+    key_data = seeds.key_data(seed=seed, generator=generator, device=device)
+    return sampling_op.sample(key_data, shape, distribution, dtype, p, impl)
 
 
 def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None) -> torch.Tensor:

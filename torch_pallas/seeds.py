@@ -33,9 +33,8 @@ def check_seed(seed) -> int:
     return seed
 
 
-def seed_words(seed) -> tuple[int, int]:
-    """The two key words of ``seed`` as signed 32-bit ints (validated as in :func:`check_seed`)."""
-    seed = check_seed(seed)
+def _signed_key_words(seed: int) -> tuple[int, int]:
+    """The two key words of a checked ``seed`` as signed 32-bit ints."""
     high, low = seed >> 32, seed & 0xFFFFFFFF
     return tuple(word - 2**32 if word >= 2**31 else word for word in (high, low))
 
@@ -45,7 +44,7 @@ def key_data_from_seed(seed, device=None) -> torch.Tensor:
 
     Built from Python ints so that ``torch.compile`` folds it into the graph.
     """
-    return torch.tensor(seed_words(seed), dtype=torch.int32, device=device)
+    return torch.tensor(_signed_key_words(check_seed(seed)), dtype=torch.int32, device=device)
 
 
 def check_generator(generator) -> torch.Generator:
@@ -56,6 +55,16 @@ def check_generator(generator) -> torch.Generator:
             f"generator must be a CPU torch.Generator (got one on {generator.device}); "
             "to follow torch_xla.manual_seed instead, pass neither seed nor generator")
     return generator
+
+
+def check_source(seed=None, generator=None) -> None:
+    """Checks where a key would come from, without drawing it (see :func:`key_data`)."""
+    if seed is not None and generator is not None:
+        raise ValueError("pass seed or generator, not both")
+    if seed is not None:
+        check_seed(seed)
+    if generator is not None:
+        check_generator(generator)
 
 
 def _random_words(generator=None, device=None) -> torch.Tensor:
@@ -76,10 +85,9 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
         TypeError: a non-integer seed or a non-Generator ``generator``.
     """
     device = bridge.xla_device(device)
-    if seed is not None and generator is not None:
-        raise ValueError("pass seed or generator, not both")
+    check_source(seed, generator)
     if seed is not None:
         return key_data_from_seed(seed, device)
     if generator is not None:
-        return _random_words(generator=check_generator(generator)).to(device)
+        return _random_words(generator=generator).to(device)
     return _random_words(device=device)

@@ -10,9 +10,10 @@ import pytest
 
 from reference import SEEDS, jax_key, key_data, ulp_distance
 from torch_pallas.kernels import dropout as dropout_kernels, prng
+from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 dropout = jax.jit(dropout_kernels.dropout, static_argnames=(
-    "p", "impl", "interpret", "block_shape", "transpose_grid", "mask_shared_over_first_dim"))
+    "p", "impl", "interpret", "blocks", "shared_over_first_dim"))
 
 
 def reference(seed, x, p):
@@ -23,12 +24,12 @@ def reference(seed, x, p):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("shape,block_shape", [((20, 300), None), ((20, 300), (8, 128)), ((4, 8, 2048), (24, 1024)),
-                                               ((7,), None), ((), None)])
-def test_mask_is_jax_bernoulli(shape, block_shape, dtype):
+@pytest.mark.parametrize("shape,blocks", [((20, 300), None), ((20, 300), Blocks(8, 128)),
+                                          ((4, 8, 2048), Blocks(24, 1024)), ((7,), None), ((), None)])
+def test_mask_is_jax_bernoulli(shape, blocks, dtype):
     seed, p = SEEDS[2], 0.3
     x = jax.random.uniform(jax.random.key(0), shape, dtype, minval=0.5, maxval=2.0)  # no zeros: mask = (y != 0)
-    y = dropout(key_data(seed), x, p=p, interpret=True, block_shape=block_shape)
+    y = dropout(key_data(seed), x, p=p, interpret=True, blocks=blocks)
     keep, expected = reference(seed, x, p)
     np.testing.assert_array_equal(np.asarray(y) != 0, keep)
     assert y.dtype == dtype
@@ -38,14 +39,15 @@ def test_mask_is_jax_bernoulli(shape, block_shape, dtype):
 def test_forward_and_backward_block_shapes_agree():
     # The backward kernel may be tuned differently: other blocks, other grid order.
     x = jnp.ones((64, 1024), jnp.float32)
-    forward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, block_shape=(8, 128))
-    backward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, block_shape=(40, 256), transpose_grid=True)
+    forward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, blocks=Blocks(8, 128))
+    backward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, blocks=Blocks(40, 256, column_major_grid=True))
     np.testing.assert_array_equal(np.asarray(forward), np.asarray(backward))
 
 
-def test_p_one_is_rejected_by_the_kernel():
+def test_p_outside_unit_interval_is_rejected_and_p_one_drops_everything():
     with pytest.raises(ValueError, match="p must be in"):
-        dropout_kernels.dropout(key_data(0), jnp.ones(4), p=1.0, interpret=True)
+        dropout_kernels.dropout(key_data(0), jnp.ones(4), p=1.5, interpret=True)
+    np.testing.assert_array_equal(np.asarray(dropout(key_data(0), jnp.ones(4), p=1.0, interpret=True)), 0.0)
 
 
 @pytest.mark.parametrize("impl", prng.IMPLS)
@@ -61,17 +63,17 @@ def test_lowers_for_tpu(impl, dtype, shape):
 def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
     seed, p, shape = SEEDS[1], 0.4, (6, 5, 100)
     x = jnp.ones(shape, jnp.float32)
-    y = dropout(key_data(seed), x, p=p, interpret=True, mask_shared_over_first_dim=True)
+    y = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True)
     keep = np.asarray(jax.random.bernoulli(jax_key(seed), 1 - p, shape[1:]))
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shape))
-    tiled = dropout(key_data(seed), x, p=p, interpret=True, mask_shared_over_first_dim=True, block_shape=(2, 500))
+    tiled = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True, blocks=Blocks(6, 256))
     np.testing.assert_array_equal(np.asarray(tiled), np.asarray(y))
 
 
 @pytest.mark.parametrize("impl", prng.IMPLS)
 def test_shared_mask_lowers_for_tpu(impl):
     kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False,
-                               mask_shared_over_first_dim=True)
+                               shared_over_first_dim=True)
     exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
         jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((100, 8, 256), jnp.float32))
     assert "tpu_custom_call" in exported.mlir_module()

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from reference import indrnn_reference, indrnn_reference_gradients
 from torch_pallas.kernels import indrnn
+from torch_pallas.kernels.tiling import RecurrenceBlocks, resolve_recurrence
 
 FORWARD_RTOL = 1e-5
 GRADIENT_RTOL = 1e-4
@@ -24,36 +26,10 @@ GRADIENT_RTOL = 1e-4
 BFLOAT16_RTOL = 2e-2
 
 
-# ----------------------------------------------------------------------- reference
-
-
 def reference_indrnn(x, weight, h0, grad_output, grad_h_n, nonlinearity):
-    """Forward and backward in float64 NumPy: (output, h_n, grad_x, grad_weight, grad_h0)."""
-    x, weight, h0 = (np.asarray(a, np.float64) for a in (x, weight, h0))
-    grad_output, grad_h_n = (np.asarray(a, np.float64) for a in (grad_output, grad_h_n))
-    activate = (lambda a: np.maximum(a, 0.0)) if nonlinearity == "relu" else np.tanh
-
-    hidden = h0
-    outputs = []
-    for x_t in x:
-        hidden = activate(x_t + weight * hidden)
-        outputs.append(hidden)
-    output = np.stack(outputs)
-
-    grad_x = np.zeros_like(x)
-    grad_weight = np.zeros_like(weight)
-    grad_hidden_from_future = grad_h_n
-    for t in reversed(range(x.shape[0])):
-        if nonlinearity == "relu":
-            derivative = (output[t] > 0).astype(np.float64)
-        else:
-            derivative = 1.0 - output[t] ** 2
-        grad_pre_activation = (grad_output[t] + grad_hidden_from_future) * derivative
-        grad_x[t] = grad_pre_activation
-        hidden_before = output[t - 1] if t > 0 else h0
-        grad_weight += (grad_pre_activation * hidden_before).sum(axis=0)
-        grad_hidden_from_future = weight * grad_pre_activation
-    return output, output[-1], grad_x, grad_weight, grad_hidden_from_future
+    """Forward and backward in float64: (output, h_n, grad_x, grad_weight, grad_h0)."""
+    output, h_n = indrnn_reference(x, weight, h0, nonlinearity)
+    return (output, h_n, *indrnn_reference_gradients(output, weight, h0, grad_output, grad_h_n, nonlinearity))
 
 
 def relative_error(actual, expected) -> float:
@@ -74,15 +50,12 @@ def random_problem(T, B, F, *, seed=0, weight_range=(-1.0, 1.0), dtype=np.float3
     )
 
 
-def run_kernels(problem, nonlinearity, block_shape=None):
+def run_kernels(problem, nonlinearity, blocks=None):
     output, h_n = indrnn.indrnn_forward(
-        problem["x"], problem["weight"], problem["h0"],
-        nonlinearity=nonlinearity, interpret=True, block_shape=block_shape,
-    )
+        problem["x"], problem["weight"], problem["h0"], nonlinearity=nonlinearity, interpret=True, blocks=blocks)
     grads = indrnn.indrnn_backward(
         problem["grad_output"], problem["grad_h_n"], output, problem["weight"], problem["h0"],
-        nonlinearity=nonlinearity, interpret=True, block_shape=block_shape,
-    )
+        nonlinearity=nonlinearity, interpret=True, blocks=blocks)
     return (output, h_n, *grads)
 
 
@@ -99,11 +72,11 @@ def assert_matches_reference(results, problem, nonlinearity, *, forward_rtol, gr
         assert error <= rtol, f"{name}: relative error {error:.3g} > {rtol:g}"
 
 
-# (T, B, F), block_shape. The ragged case has T = 4*8 + 5, B = 8 + 4, F = 128 + 72:
+# (T, B, F), blocks. The ragged case has T = 4*8 + 5, B = 8 + 4, F = 128 + 72:
 # partial blocks on every axis, and several time blocks for the carried state.
 CASES = {
     "aligned": ((16, 8, 128), None),
-    "ragged_blocks": ((37, 12, 200), (8, 8, 128)),
+    "ragged_blocks": ((37, 12, 200), RecurrenceBlocks(8, 8, 128)),
     "single_step": ((1, 3, 5), None),
 }
 
@@ -114,9 +87,9 @@ CASES = {
 @pytest.mark.parametrize("nonlinearity", ["relu", "tanh"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case, nonlinearity):
-    shape, block_shape = CASES[case]
+    shape, blocks = CASES[case]
     problem = random_problem(*shape)
-    results = run_kernels(problem, nonlinearity, block_shape)
+    results = run_kernels(problem, nonlinearity, blocks)
     for name, result, dtype in zip(RESULT_NAMES, results, (np.float32,) * 5):
         assert result.dtype == dtype, name
     assert_matches_reference(
@@ -130,31 +103,30 @@ def test_block_shape_does_not_change_results(nonlinearity):
     time block that does not divide T and leaves a one-step tail."""
     shape, ragged_blocks = CASES["ragged_blocks"]
     problem = random_problem(*shape)
-    baseline = run_kernels(problem, nonlinearity, block_shape=None)
-    for block_shape in (ragged_blocks, (6, 12, 200)):
-        results = run_kernels(problem, nonlinearity, block_shape)
+    baseline = run_kernels(problem, nonlinearity, blocks=None)
+    for blocks in (ragged_blocks, RecurrenceBlocks(6, 12, 200)):
+        results = run_kernels(problem, nonlinearity, blocks)
         for name, expected, actual in zip(RESULT_NAMES, baseline, results):
-            np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=f"{name} {block_shape}")
+            np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=f"{name} {blocks}")
 
 
-def test_partially_unrolled_time_loop(monkeypatch):
+def test_partially_unrolled_time_loop():
     """The TPU path unrolls the time loop by hand (groups plus a static remainder);
     force that path in interpret mode, with ragged time blocks."""
-    monkeypatch.setattr(indrnn, "_INTERPRET_UNROLL", 3)
-    shape, block_shape = CASES["ragged_blocks"]
+    shape, _ = CASES["ragged_blocks"]
     problem = random_problem(*shape)
-    results = run_kernels(problem, "tanh", block_shape)
+    results = run_kernels(problem, "tanh", RecurrenceBlocks(8, 8, 128, unroll=3))
     assert_matches_reference(results, problem, "tanh", forward_rtol=FORWARD_RTOL, gradient_rtol=GRADIENT_RTOL)
 
 
 def test_bfloat16_inputs():
-    shape, block_shape = CASES["ragged_blocks"]
+    shape, blocks = CASES["ragged_blocks"]
     problem = random_problem(*shape)
     problem["x"] = jnp.asarray(problem["x"], jnp.bfloat16)
     problem["grad_output"] = jnp.asarray(problem["grad_output"], jnp.bfloat16)
     problem["grad_h_n"] = jnp.asarray(problem["grad_h_n"], jnp.bfloat16)
     problem["h0"] = jnp.asarray(problem["h0"], jnp.bfloat16)
-    results = run_kernels(problem, "tanh", block_shape)
+    results = run_kernels(problem, "tanh", blocks)
     output, h_n, grad_x, grad_weight, grad_h0 = results
     assert output.dtype == h_n.dtype == grad_x.dtype == jnp.bfloat16
     assert grad_weight.dtype == jnp.float32  # the weight's dtype
@@ -217,16 +189,20 @@ def test_rejects_unknown_nonlinearity():
         indrnn.indrnn_backward(x, h0, x, weight, h0, nonlinearity="gelu", interpret=True)
 
 
-@pytest.mark.parametrize(
-    "block_shape",
-    [(8, 8), (0, 8, 128), (8, 5, 128), (8, 8, 100), (8.0, 8, 128), "auto"],
-)
-def test_rejects_invalid_block_shape(block_shape):
+@pytest.mark.parametrize("blocks", [(0, 8, 128), (8.0, 8, 128), (8, True, 128)])
+def test_rejects_non_positive_int_blocks(blocks):
+    with pytest.raises(ValueError, match="RecurrenceBlocks"):
+        RecurrenceBlocks(*blocks)
+
+
+@pytest.mark.parametrize("blocks", [RecurrenceBlocks(8, 5, 128), RecurrenceBlocks(8, 8, 100), (8, 8, 128), "auto"])
+def test_rejects_invalid_blocks(blocks):
     x, weight, h0 = np.zeros((37, 12, 200), np.float32), np.zeros(200, np.float32), np.zeros((12, 200), np.float32)
-    with pytest.raises(ValueError, match="block_shape"):
-        indrnn.indrnn_forward(x, weight, h0, nonlinearity="relu", interpret=True, block_shape=block_shape)
-    with pytest.raises(ValueError, match="block_shape"):
-        indrnn.indrnn_backward(x, h0, x, weight, h0, nonlinearity="relu", interpret=True, block_shape=block_shape)
+    error = ValueError if isinstance(blocks, RecurrenceBlocks) else TypeError
+    with pytest.raises(error, match="blocks"):
+        indrnn.indrnn_forward(x, weight, h0, nonlinearity="relu", interpret=True, blocks=blocks)
+    with pytest.raises(error, match="blocks"):
+        indrnn.indrnn_backward(x, h0, x, weight, h0, nonlinearity="relu", interpret=True, blocks=blocks)
 
 
 def test_rejects_mismatched_shapes():
@@ -247,18 +223,18 @@ def test_rejects_mismatched_shapes():
     [(16, 8, 128), (37, 3, 200), (1000, 1, 1000), (512, 64, 512), (300, 40, 1100), (100000, 256, 4096), (1, 1, 1)],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_default_block_shape(shape, dtype):
+def test_default_blocks(shape, dtype):
     T, B, F = shape
-    assert indrnn.default_block_shape(T, B, F, dtype, interpret=True) == (T, B, F)
-    block_t, block_b, block_f = indrnn.default_block_shape(T, B, F, dtype, interpret=False)
-    assert 0 < block_t <= min(T, 256)
-    assert block_b == B or (block_b % 8 == 0 and block_b < B)
-    assert block_f == F or (block_f % 128 == 0 and block_f < F)
+    assert resolve_recurrence(None, T, B, F, dtype, interpret=True) == RecurrenceBlocks(T, B, F, unroll=1)
+    blocks = resolve_recurrence(None, T, B, F, dtype, interpret=False)
+    assert 0 < blocks.time <= min(T, 256)
+    assert blocks.batch == B or (blocks.batch % 8 == 0 and blocks.batch < B)
+    assert blocks.features == F or (blocks.features % 128 == 0 and blocks.features < F)
     # One block, padded to whole (sublane, lane) tiles, is at most 1 MiB, so the
     # backward's three double-buffered streams fit the default scoped VMEM.
     itemsize = np.dtype(dtype).itemsize
     sublanes = 8 * (4 // itemsize)
-    padded_bytes = block_t * (-(-block_b // sublanes) * sublanes) * (-(-block_f // 128) * 128) * itemsize
+    padded_bytes = blocks.time * (-(-blocks.batch // sublanes) * sublanes) * (-(-blocks.features // 128) * 128) * itemsize
     assert padded_bytes <= 1 << 20
 
 
@@ -271,16 +247,16 @@ def export_for_tpu(function, *shape_dtype_structs):
 
 
 @pytest.mark.parametrize(
-    "shape, block_shape",
-    [((16, 8, 128), None), ((37, 3, 200), None), ((1000, 1, 1000), None), ((37, 12, 200), (8, 8, 128))],
+    "shape, blocks",
+    [((16, 8, 128), None), ((37, 3, 200), None), ((1000, 1, 1000), None), ((37, 12, 200), RecurrenceBlocks(8, 8, 128))],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_kernels_lower_for_tpu(shape, block_shape, dtype):
+def test_kernels_lower_for_tpu(shape, blocks, dtype):
     T, B, F = shape
     sequence = jax.ShapeDtypeStruct((T, B, F), dtype)
     state = jax.ShapeDtypeStruct((B, F), dtype)
     weight = jax.ShapeDtypeStruct((F,), jnp.float32)
     for nonlinearity in ("relu", "tanh"):
-        options = dict(nonlinearity=nonlinearity, interpret=False, block_shape=block_shape)
+        options = dict(nonlinearity=nonlinearity, interpret=False, blocks=blocks)
         export_for_tpu(functools.partial(indrnn.indrnn_forward, **options), sequence, weight, state)
         export_for_tpu(functools.partial(indrnn.indrnn_backward, **options), sequence, state, sequence, weight, state)

@@ -10,21 +10,22 @@ import pytest
 
 from reference import SEEDS, as_bits, jax_key, key_data, ulp_distance
 from torch_pallas.kernels import prng, sampling
+from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 # (shape, block shapes to try). Blocks that do not divide the 2-D view are included: Pallas
 # pads the edge blocks and the numbers must not change.
 SHAPES_AND_BLOCKS = [
     ((), [None]),
     ((7,), [None]),
-    ((20, 300), [None, (8, 128), (16, 256)]),        # view (20, 300): ragged in both dims
-    ((3, 5, 129), [None, (1, 128)]),                  # view (1, 1935)
-    ((4, 8, 2048), [None, (8, 512), (24, 1024)]),     # lane-dense view (64, 1024)
+    ((20, 300), [None, Blocks(8, 128), Blocks(16, 256)]),        # view (20, 300): ragged in both dims
+    ((3, 5, 129), [None, Blocks(8, 128)]),                        # view (15, 129): ragged blocks
+    ((4, 8, 2048), [None, Blocks(8, 512), Blocks(24, 1024)]),     # lane-dense view (64, 1024)
 ]
 CASES = [(shape, block) for shape, blocks in SHAPES_AND_BLOCKS for block in blocks]
 
 # Jitted so that every seed reuses one compile per configuration.
 sample = jax.jit(sampling.sample, static_argnames=(
-    "shape", "distribution", "dtype", "p", "impl", "interpret", "block_shape", "transpose_grid", "tile"))
+    "shape", "distribution", "dtype", "p", "impl", "interpret", "blocks"))
 
 
 def uniform(seed, shape, **options):
@@ -37,9 +38,9 @@ def test_threefry_is_jax_default():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("shape,block_shape", CASES)
-def test_uniform_bit_exact(seed, shape, block_shape):
-    got = uniform(seed, shape, block_shape=block_shape)
+@pytest.mark.parametrize("shape,blocks", CASES)
+def test_uniform_bit_exact(seed, shape, blocks):
+    got = uniform(seed, shape, blocks=blocks)
     np.testing.assert_array_equal(as_bits(got), as_bits(jax.random.uniform(jax_key(seed), shape)))
 
 
@@ -48,19 +49,19 @@ def test_uniform_bit_exact(seed, shape, block_shape):
 def test_low_precision_bit_exact(distribution, dtype):
     seed, shape = SEEDS[2], (20, 300)
     reference = getattr(jax.random, distribution)(jax_key(seed), shape, dtype)
-    for block_shape in (None, (8, 128)):
+    for blocks in (None, Blocks(8, 128)):
         got = sample(key_data(seed), shape=shape, distribution=distribution, dtype=dtype,
-                     interpret=True, block_shape=block_shape)
+                     interpret=True, blocks=blocks)
         assert got.dtype == dtype
         np.testing.assert_array_equal(as_bits(got), as_bits(reference))
 
 
 @pytest.mark.parametrize("seed", SEEDS[1:3])
-@pytest.mark.parametrize("shape,block_shape", CASES)
-def test_normal_float32_within_four_ulps(seed, shape, block_shape):
+@pytest.mark.parametrize("shape,blocks", CASES)
+def test_normal_float32_within_four_ulps(seed, shape, blocks):
     # The uniform draw is exact; XLA's CPU erf_inv may round its last bits differently
     # depending on how the loop around it is vectorized (see prng.normal_from_bits).
-    got = sample(key_data(seed), shape=shape, distribution="normal", interpret=True, block_shape=block_shape)
+    got = sample(key_data(seed), shape=shape, distribution="normal", interpret=True, blocks=blocks)
     reference = jax.random.normal(jax_key(seed), shape)
     assert ulp_distance(got, reference) <= 4  # measured: at most 3, on ~0.5% of elements
     assert np.mean(np.asarray(got) != np.asarray(reference)) < 0.01 if got.size else True
@@ -69,16 +70,16 @@ def test_normal_float32_within_four_ulps(seed, shape, block_shape):
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_bernoulli_bit_exact(p):
     seed, shape = SEEDS[2], (20, 300)
-    got = sample(key_data(seed), shape=shape, distribution="bernoulli", p=p, interpret=True, block_shape=(8, 128))
+    got = sample(key_data(seed), shape=shape, distribution="bernoulli", p=p, interpret=True, blocks=Blocks(8, 128))
     assert got.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.random.bernoulli(jax_key(seed), p, shape)))
 
 
-@pytest.mark.parametrize("shape,block_shape", [((20, 300), (8, 128)), ((4, 8, 2048), (8, 512))])
-def test_grid_order_does_not_change_numbers(shape, block_shape):
+@pytest.mark.parametrize("shape,blocks", [((20, 300), (8, 128)), ((4, 8, 2048), (8, 512))])
+def test_grid_order_does_not_change_numbers(shape, blocks):
     seed = SEEDS[1]
-    row_major = uniform(seed, shape, block_shape=block_shape)
-    column_major = uniform(seed, shape, block_shape=block_shape, transpose_grid=True)
+    row_major = uniform(seed, shape, blocks=Blocks(*blocks))
+    column_major = uniform(seed, shape, blocks=Blocks(*blocks, column_major_grid=True))
     np.testing.assert_array_equal(as_bits(row_major), as_bits(column_major))
     np.testing.assert_array_equal(as_bits(row_major), as_bits(jax.random.uniform(jax_key(seed), shape)))
 
@@ -100,23 +101,25 @@ def test_bad_arguments_raise():
         sampling.uniform(key_data(0), (4,), impl="philox", interpret=True)
     with pytest.raises(ValueError, match="threefry"):
         sampling.uniform(key_data(0), (4,), impl="hardware", interpret=True)
-    with pytest.raises(ValueError, match="block_shape"):
-        sampling.uniform(key_data(0), (64, 1024), interpret=False, block_shape=(3, 100))
+    with pytest.raises(ValueError, match="blocks"):
+        sampling.uniform(key_data(0), (64, 1024), interpret=False, blocks=Blocks(3, 100))
+    with pytest.raises(ValueError, match="Mosaic"):  # the same rule in interpret mode
+        sampling.uniform(key_data(0), (64, 1024), interpret=True, blocks=Blocks(3, 100))
     with pytest.raises(ValueError, match="2\\*\\*32"):
         sampling.uniform(key_data(0), (2**16, 2**16), interpret=True)
 
 
 # --- TPU lowering (Mosaic), checked on this machine without a TPU -----------------------
 
-EXPORT_SHAPES = [((1000, 1000), None), ((64, 2048), (16, 1024)), ((3, 5, 129), None)]
+EXPORT_SHAPES = [((1000, 1000), None), ((64, 2048), Blocks(16, 1024)), ((3, 5, 129), None)]
 
 
 @pytest.mark.parametrize("impl", prng.IMPLS)
 @pytest.mark.parametrize("distribution", sampling.DISTRIBUTIONS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape,block_shape", EXPORT_SHAPES)
-def test_lowers_for_tpu(impl, distribution, dtype, shape, block_shape):
+@pytest.mark.parametrize("shape,blocks", EXPORT_SHAPES)
+def test_lowers_for_tpu(impl, distribution, dtype, shape, blocks):
     kernel = functools.partial(sampling.sample, shape=shape, distribution=distribution, dtype=dtype,
-                               impl=impl, interpret=False, block_shape=block_shape)
+                               impl=impl, interpret=False, blocks=blocks)
     exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(jax.ShapeDtypeStruct((2,), jnp.int32))
     assert "tpu_custom_call" in exported.mlir_module()

@@ -1,6 +1,6 @@
 """One Pallas driver for every elementwise op that consumes noise (sampling, dropout).
 
-It views the tensor as a 2-D matrix (:mod:`layout`), picks and checks the blocks, pads the
+It views the tensor as a 2-D matrix (:func:`tiling.view_2d`), resolves the blocks, pads the
 view to whole tiles for the hardware PRNG, and runs a kernel that, chunk by chunk, draws the
 chunk's random bits and writes ``transform(bits[, operand chunk])``.
 """
@@ -15,41 +15,50 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import layout, prng
+from torch_pallas.kernels import prng, tiling
 
 
-def _noise_kernel(key_ref, *refs, impl, transform, num_cols, rows_per_chunk, tile, transpose_grid, same_noise_per_row):
+def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, rows_per_chunk, column_major_grid,
+                  shared_over_first_dim):
     out_ref = refs[-1]
     operand_ref = refs[0] if len(refs) == 2 else None
     block_rows, block_cols = out_ref.shape
-    block_row, block_col = layout.block_position(transpose_grid)
+    block_row, block_col = pl.program_id(0), pl.program_id(1)
+    if column_major_grid:
+        block_row, block_col = block_col, block_row
     row0 = block_row * block_rows
     col0 = block_col * block_cols
 
     def chunk(row_offset):
         rows = pl.ds(row_offset, rows_per_chunk)
-        if same_noise_per_row:
+        if shared_over_first_dim:
             # Every row gets row 0's bits: draw one row (one tile row for the hardware PRNG).
-            drawn_rows = tile[0] if impl == prng.HARDWARE else 1
-            bits = prng.chunk_bits(impl, key_ref, (drawn_rows, block_cols), 0, col0, num_cols, tile)
+            drawn_rows = tiling.SUBLANES if impl == prng.HARDWARE else 1
+            bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, block_cols), 0, col0, num_cols)
             bits = jnp.broadcast_to(bits[:1], (rows_per_chunk, block_cols))
         else:
-            bits = prng.chunk_bits(impl, key_ref, (rows_per_chunk, block_cols), row0 + row_offset, col0, num_cols, tile)
+            bits = prng.chunk_bits(impl, key_data_ref, (rows_per_chunk, block_cols), row0 + row_offset, col0, num_cols)
         if operand_ref is None:
             out_ref[rows, :] = transform(bits)
         else:
             out_ref[rows, :] = transform(bits, operand_ref[rows, :])
 
-    layout.for_each_chunk(block_rows, rows_per_chunk, chunk)
+    if rows_per_chunk == block_rows:
+        chunk(0)
+    else:
+        def step(index, carry):
+            chunk(pl.multiple_of(index * rows_per_chunk, rows_per_chunk))
+            return carry
+        jax.lax.fori_loop(0, block_rows // rows_per_chunk, step, 0)
 
 
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
-              impl: str, interpret: bool, block_shape=None, transpose_grid: bool = False,
-              tile=prng.DEFAULT_TILE, same_noise_over_first_dim: bool = False) -> jax.Array:
+              impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
+              shared_over_first_dim: bool = False) -> jax.Array:
     """``transform(bits[, operand])`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
-    result does not depend on ``block_shape``, ``transpose_grid`` or (threefry) the backend.
+    result does not depend on ``blocks`` or (threefry) the backend.
 
     Args:
         key_data: int32 (2,) threefry key words.
@@ -57,37 +66,37 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         transform: ``f(bits)`` or ``f(bits, operand_chunk)`` -> chunk of ``out_dtype``.
         out_dtype: the kernel's output dtype.
         operand: optional array of ``shape`` read elementwise.
-        impl, interpret, block_shape, transpose_grid, tile: see :func:`sampling.sample`.
-        same_noise_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
+        impl, interpret, blocks: see :func:`sampling.sample`.
+        shared_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
             of shape ``shape[1:]`` (for example one dropout mask per sequence, shared over
             time). The kernel then views the tensor as ``(shape[0], prod(shape[1:]))``.
 
     Raises:
-        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, or a block
-            shape Mosaic would reject or that is not a multiple of the hardware tile.
+        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, or blocks that
+            :func:`tiling.resolve_elementwise` rejects.
     """
     prng.check_impl(impl)
-    if impl == prng.HARDWARE and interpret:
+    hardware = impl == prng.HARDWARE
+    if hardware and interpret:
         raise ValueError('impl="hardware" runs only compiled on TPU; use impl="threefry" in interpret mode')
-    if same_noise_over_first_dim:
+    if shared_over_first_dim:
         rows, cols = shape[0], math.prod(shape[1:])
     else:
-        rows, cols = layout.view_2d(shape)
+        rows, cols = tiling.view_2d(shape)
     view_rows, view_cols = rows, cols
-    if impl == prng.HARDWARE:
+    if hardware:
         # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
-        view_rows, view_cols = layout.round_up(rows, tile[0]), layout.round_up(cols, tile[1])
-    if block_shape is None:
-        itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
-        block_shape = layout.default_block_shape(view_rows, view_cols, itemsize, interpret=interpret)
-        if impl == prng.HARDWARE:
-            block_shape = (layout.round_up(block_shape[0], tile[0]), layout.round_up(block_shape[1], tile[1]))
-    layout.check_block_shape(block_shape, view_rows, view_cols, interpret=interpret)
-    if impl == prng.HARDWARE and (block_shape[0] % tile[0] or block_shape[1] % tile[1]):
-        raise ValueError(f"block_shape={block_shape} must be a multiple of tile={tile} for impl='hardware'")
+        view_rows, view_cols = tiling.round_up(rows, tiling.SUBLANES), tiling.round_up(cols, tiling.LANES)
+    itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
+    blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
+                                        whole_tiles=hardware)
 
-    grid, index_map = layout.grid_and_index_map(view_rows, view_cols, block_shape, transpose_grid=transpose_grid)
-    block_spec = pl.BlockSpec(block_shape, index_map)
+    grid = (pl.cdiv(view_rows, blocks.rows), pl.cdiv(view_cols, blocks.cols))
+    if blocks.column_major_grid:
+        block_spec = pl.BlockSpec((blocks.rows, blocks.cols), lambda j, i: (i, j))
+        grid = grid[::-1]
+    else:
+        block_spec = pl.BlockSpec((blocks.rows, blocks.cols), lambda i, j: (i, j))
     in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
     operands = [key_data]
     if operand is not None:
@@ -97,10 +106,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         in_specs.append(block_spec)
         operands.append(operand)
     kernel = functools.partial(
-        _noise_kernel, impl=impl, transform=transform, num_cols=view_cols, tile=tile,
-        transpose_grid=transpose_grid, same_noise_per_row=same_noise_over_first_dim,
-        rows_per_chunk=layout.chunk_rows(
-            block_shape[0], interpret=interpret, tile_rows=tile[0] if impl == prng.HARDWARE else None))
+        _noise_kernel, impl=impl, transform=transform, num_cols=view_cols,
+        column_major_grid=blocks.column_major_grid, shared_over_first_dim=shared_over_first_dim,
+        rows_per_chunk=tiling.chunk_rows(blocks.rows, interpret=interpret, whole_tiles=hardware))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((view_rows, view_cols), out_dtype),

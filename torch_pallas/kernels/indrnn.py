@@ -50,18 +50,17 @@ shape ``(block_b, block_f)`` that stays resident across the time axis. The kerne
 never reduces across rows (no atomics, no cross-instance races); the rows are
 summed afterwards by ``jnp.sum`` in a fixed order outside the kernel.
 
-Block shapes
-------------
-``(block_t, block_b, block_f)``. ``block_b``/``block_f`` must be multiples of
-(8, 128) or equal to the full dimension (the Mosaic TPU tiling rule; it is
-enforced in interpret mode too so that what runs on CPU is what lowers on TPU).
-``block_t`` is free. ``default_block_shape`` picks VMEM-sized blocks for TPU and
-a single block for interpret mode, where every grid step costs copies.
+Blocks
+------
+:class:`tiling.RecurrenceBlocks` ``(time, batch, features, unroll)``, resolved by
+:func:`tiling.resolve_recurrence` (defaults, and Mosaic's rule for batch and features on
+every platform). ``time`` is free.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,47 +69,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import layout
+from torch_pallas.kernels import arguments, tiling
 
-__all__ = ["NONLINEARITIES", "default_block_shape", "indrnn_forward", "indrnn_backward"]
+__all__ = ["NONLINEARITIES", "check_nonlinearity", "indrnn_forward", "indrnn_backward"]
 
 NONLINEARITIES = ("relu", "tanh")
 
-# Mosaic tiles the last two dims of a VMEM block by (sublanes, 128 lanes).
-_SUBLANES = 8
-_LANES = 128
 
-# TPU: bytes of one (block_t, block_b, block_f) block of the input. The backward
-# kernel keeps three such streams double-buffered (~6x this), which stays well
-# inside the default scoped VMEM limit (16 MiB on v5e, 32 MiB later).
-_TPU_BLOCK_BYTES = 1 << 20
-_TPU_MAX_BLOCK_T = 256
-_TPU_MAX_BLOCK_B = 32
-_TPU_MAX_BLOCK_F = 1024
-_TPU_SPLIT_BLOCK_F = 512
-# Each step is a short dependent chain; unrolling lets the scheduler overlap the
-# loads/stores of neighbouring steps. Not tuned on hardware (no TPU was available).
-_TPU_UNROLL = 8
-
-# Interpret mode (CPU), measured on this project's 2-core machines: the kernel
-# becomes XLA ops, each grid step dynamic-slices every operand's block out of the
-# full array and writes it back, and a time block padded past T is a padded copy
-# of the operand. A grid of one step compiles to a plain loop over the arrays with
-# none of these copies, so interpret mode uses the whole (T, B, F) array as one
-# block: at (T, B, F) = (1000, 1, 1000), 500-step blocks made forward+backward
-# ~2x slower than one block, and 128-step blocks at (512, 64, 512) ~2.5x slower.
-# There is no VMEM to fit, and a single block needs no memory beyond the operands.
-# Unrolling the time loop made XLA's CPU loop slower (2 steps: about even; 8 steps:
-# ~2x slower at (1000, 1, 1000)), so it is not unrolled there.
-_INTERPRET_UNROLL = 1
-
-
-def _check_nonlinearity(nonlinearity: str) -> None:
-    if nonlinearity not in NONLINEARITIES:
-        raise ValueError(
-            f"nonlinearity must be one of {NONLINEARITIES!r} ('relu' or 'tanh'), "
-            f"got {nonlinearity!r}"
-        )
+def check_nonlinearity(nonlinearity: str) -> str:
+    return arguments.check_one_of("nonlinearity", nonlinearity, NONLINEARITIES)
 
 
 def _activate(pre_activation: jax.Array, nonlinearity: str) -> jax.Array:
@@ -124,83 +91,6 @@ def _activation_derivative_from_output(hidden: jax.Array, nonlinearity: str) -> 
     if nonlinearity == "relu":
         return (hidden > 0.0).astype(jnp.float32)
     return 1.0 - hidden * hidden
-
-
-def _balanced_block(length: int, max_block: int) -> int:
-    """Smallest block that splits ``length`` into as few blocks as ``max_block`` allows.
-
-    Balancing (e.g. 1000 -> 4 x 250 rather than 3 x 256 + 232) keeps the padded
-    tail, which costs DMA and loop work for nothing, small.
-    """
-    num_blocks = -(-length // max(1, max_block))
-    return -(-length // num_blocks)
-
-
-def default_block_shape(
-    T: int, B: int, F: int, dtype, *, interpret: bool
-) -> tuple[int, int, int]:
-    """Pick ``(block_t, block_b, block_f)`` for a sequence of shape ``(T, B, F)``.
-
-    Args:
-      T, B, F: sequence length, batch size and number of features (positive ints).
-      dtype: dtype of ``x``; sets the VMEM footprint of a block on TPU.
-      interpret: True for Pallas interpret mode (CPU), False for compiled Mosaic TPU.
-
-    Returns:
-      A block shape valid for ``indrnn_forward``/``indrnn_backward``: ``block_b`` and
-      ``block_f`` are each the full dimension or a multiple of 8 / 128.
-
-      * interpret: the whole ``(T, B, F)`` array as a single block. Every extra
-        grid step costs copies of every operand's block in interpret mode, and
-        there is no VMEM limit to respect (see ``_INTERPRET_UNROLL``'s comment).
-      * TPU: ``block_f`` the full F up to 1024 features, else 512; ``block_b`` the
-        full B up to 32, else 32; ``block_t`` so one block is about 1 MiB, between 8
-        and 256 steps, balanced over T.
-    """
-    T, B, F = int(T), int(B), int(F)
-    if min(T, B, F) < 1:
-        raise ValueError(f"T, B, F must be positive, got {(T, B, F)}")
-    if interpret:
-        return T, B, F
-
-    itemsize = np.dtype(dtype).itemsize
-    block_f = F if F <= _TPU_MAX_BLOCK_F else _TPU_SPLIT_BLOCK_F
-    block_b = B if B <= _TPU_MAX_BLOCK_B else _TPU_MAX_BLOCK_B
-    # Packed dtypes fill a vreg's sublanes with 32 // bits rows, so a (bb, bf) slab
-    # occupies at least this many rows of VMEM.
-    sublane_tile = _SUBLANES * max(1, 4 // itemsize)
-    step_bytes = layout.round_up(block_b, sublane_tile) * layout.round_up(block_f, _LANES) * itemsize
-    max_block_t = max(8, min(_TPU_MAX_BLOCK_T, _TPU_BLOCK_BYTES // step_bytes))
-    return _balanced_block(T, max_block_t), block_b, block_f
-
-
-def _resolve_block_shape(block_shape, T: int, B: int, F: int, dtype, interpret: bool):
-    if block_shape is None:
-        return default_block_shape(T, B, F, dtype, interpret=interpret)
-    if (
-        not isinstance(block_shape, (tuple, list))
-        or len(block_shape) != 3
-        or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_shape)
-    ):
-        raise ValueError(
-            f"block_shape must be a tuple of three ints (block_t, block_b, block_f), got {block_shape!r}"
-        )
-    block_t, block_b, block_f = (int(b) for b in block_shape)
-    if min(block_t, block_b, block_f) < 1:
-        raise ValueError(f"block_shape entries must be positive, got {tuple(block_shape)!r}")
-    # A block larger than its dimension only adds padding; the full dim is always legal.
-    block_t, block_b, block_f = min(block_t, T), min(block_b, B), min(block_f, F)
-    if block_b != B and block_b % _SUBLANES:
-        raise ValueError(
-            f"block_shape: block_b={block_b} must equal the batch size {B} or be a "
-            f"multiple of {_SUBLANES} (Mosaic TPU tiling)"
-        )
-    if block_f != F and block_f % _LANES:
-        raise ValueError(
-            f"block_shape: block_f={block_f} must equal the feature count {F} or be a "
-            f"multiple of {_LANES} (Mosaic TPU tiling)"
-        )
-    return block_t, block_b, block_f
 
 
 def _check_float(name: str, array) -> None:
@@ -264,7 +154,7 @@ def _load_weight(weight_ref, state_shape, interpret: bool) -> jax.Array:
 
 def _forward_kernel(
     x_ref, weight_ref, h0_ref, out_ref, h_n_ref, state_ref,
-    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, interpret: bool,
+    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int, interpret: bool,
 ):
     time_block = pl.program_id(2)
 
@@ -273,7 +163,6 @@ def _forward_kernel(
         state_ref[...] = h0_ref[...].astype(jnp.float32)
 
     weight = _load_weight(weight_ref, state_ref.shape, interpret)
-    unroll = _INTERPRET_UNROLL if interpret else _TPU_UNROLL
 
     def run_steps(num_steps: int):
         def step(i, hidden):
@@ -303,7 +192,7 @@ def indrnn_forward(
     *,
     nonlinearity: str,
     interpret: bool,
-    block_shape: tuple[int, int, int] | None = None,
+    blocks: tiling.RecurrenceBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Run ``h_t = act(x_t + weight * h_{t-1})`` over a time-major sequence.
 
@@ -313,8 +202,8 @@ def indrnn_forward(
       h0: initial state of shape ``(B, F)``, any float dtype.
       nonlinearity: ``"relu"`` or ``"tanh"``.
       interpret: run Pallas in interpret mode (CPU) instead of compiling for TPU.
-      block_shape: optional ``(block_t, block_b, block_f)`` overriding
-        ``default_block_shape``. Entries above the dimension are clamped to it.
+      blocks: optional blocks overriding the default (see
+        :func:`tiling.resolve_recurrence`). Any valid blocks give the same result.
 
     Returns:
       ``(output, h_n)``: all hidden states, shape ``(T, B, F)``, and the last one,
@@ -322,48 +211,55 @@ def indrnn_forward(
 
     Raises:
       ValueError: for an unknown ``nonlinearity``, mismatched shapes, non-float
-        dtypes, or an invalid ``block_shape``.
+        dtypes, or invalid ``blocks``.
     """
-    _check_nonlinearity(nonlinearity)
+    check_nonlinearity(nonlinearity)
     T, B, F = _check_shapes(x, weight, h0)
     if T == 0 or B == 0 or F == 0:
         return jnp.zeros(x.shape, x.dtype), h0.astype(x.dtype)
-    block_shape = _resolve_block_shape(block_shape, T, B, F, x.dtype, interpret)
-    return _forward_call(x, weight, h0, nonlinearity=nonlinearity, interpret=interpret, block_shape=block_shape)
+    blocks = tiling.resolve_recurrence(blocks, T, B, F, x.dtype, interpret=interpret)
+    return _forward_call(x, weight, h0, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
 
 
-def _grid_and_shared_specs(shape, block_shape, *, reverse_time: bool):
-    """The (batch block, feature block, time block) grid both kernels walk, the specs they
-    share, and the static time bookkeeping their kernels take.
+class _RecurrenceGrid(NamedTuple):
+    """What the forward and backward kernels share: the (batch block, feature block, time
+    block) grid, the block specs, and the static options both kernels take."""
+    grid: tuple[int, int, int]
+    time_block_of: Callable
+    sequence_spec: pl.BlockSpec
+    state_spec: pl.BlockSpec
+    weight_spec: pl.BlockSpec
+    kernel_options: dict
 
-    ``reverse_time`` maps grid step t to time block ``num_time_blocks - 1 - t`` (backward).
-    Returns ``(grid, time_block_of, sequence_spec, state_spec, weight_spec, time_options)``.
-    """
+
+def _recurrence_grid(shape, blocks: tiling.RecurrenceBlocks, *, reverse_time: bool) -> _RecurrenceGrid:
+    """``reverse_time`` maps grid step t to time block ``num_time_blocks - 1 - t`` (backward)."""
     T, B, F = shape
-    block_t, block_b, block_f = block_shape
-    num_time_blocks = pl.cdiv(T, block_t)
-    grid = (pl.cdiv(B, block_b), pl.cdiv(F, block_f), num_time_blocks)
+    num_time_blocks = pl.cdiv(T, blocks.time)
 
     def time_block_of(t):
         return num_time_blocks - 1 - t if reverse_time else t
 
-    sequence_spec = pl.BlockSpec((block_t, block_b, block_f), lambda b, f, t: (time_block_of(t), b, f))
-    state_spec = pl.BlockSpec((block_b, block_f), lambda b, f, t: (b, f))
-    # Mosaic has no good layout for 1-D blocks: the weight travels as a (1, F) row.
-    weight_spec = pl.BlockSpec((1, block_f), lambda b, f, t: (0, f))
-    time_options = dict(num_time_blocks=num_time_blocks, block_t=block_t,
-                        last_block_steps=T - (num_time_blocks - 1) * block_t)
-    return grid, time_block_of, sequence_spec, state_spec, weight_spec, time_options
+    return _RecurrenceGrid(
+        grid=(pl.cdiv(B, blocks.batch), pl.cdiv(F, blocks.features), num_time_blocks),
+        time_block_of=time_block_of,
+        sequence_spec=pl.BlockSpec((blocks.time, blocks.batch, blocks.features),
+                                   lambda b, f, t: (time_block_of(t), b, f)),
+        state_spec=pl.BlockSpec((blocks.batch, blocks.features), lambda b, f, t: (b, f)),
+        # Mosaic has no good layout for 1-D blocks: the weight travels as a (1, F) row.
+        weight_spec=pl.BlockSpec((1, blocks.features), lambda b, f, t: (0, f)),
+        kernel_options=dict(num_time_blocks=num_time_blocks, block_t=blocks.time, unroll=blocks.unroll,
+                            last_block_steps=T - (num_time_blocks - 1) * blocks.time),
+    )
 
 
 # Jitted so that eager calls with the same shapes and options reuse one compile.
-@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
-def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int]):
+@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))
+def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, blocks: tiling.RecurrenceBlocks):
     T, B, F = x.shape
-    _, block_b, block_f = block_shape
-    grid, _, sequence_spec, state_spec, weight_spec, time_options = _grid_and_shared_specs(
-        x.shape, block_shape, reverse_time=False)
-    kernel = functools.partial(_forward_kernel, nonlinearity=nonlinearity, interpret=interpret, **time_options)
+    specs = _recurrence_grid(x.shape, blocks, reverse_time=False)
+    kernel = functools.partial(_forward_kernel, nonlinearity=nonlinearity, interpret=interpret,
+                               **specs.kernel_options)
     itemsize = x.dtype.itemsize
     return pl.pallas_call(
         kernel,
@@ -371,10 +267,10 @@ def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_sh
             jax.ShapeDtypeStruct((T, B, F), x.dtype),
             jax.ShapeDtypeStruct((B, F), x.dtype),
         ),
-        grid=grid,
-        in_specs=[sequence_spec, weight_spec, state_spec],
-        out_specs=(sequence_spec, state_spec),
-        scratch_shapes=[pltpu.VMEM((block_b, block_f), jnp.float32)],
+        grid=specs.grid,
+        in_specs=[specs.sequence_spec, specs.weight_spec, specs.state_spec],
+        out_specs=(specs.sequence_spec, specs.state_spec),
+        scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
         cost_estimate=pl.CostEstimate(
             flops=3 * T * B * F,
@@ -392,7 +288,7 @@ def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, block_sh
 def _backward_kernel(
     grad_output_ref, grad_h_n_ref, output_ref, previous_row_ref, weight_ref, h0_ref,
     grad_x_ref, grad_h0_ref, grad_weight_rows_ref, future_grad_ref,
-    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, interpret: bool,
+    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int, interpret: bool,
 ):
     # Grid step 0 handles the LAST time block (the index maps reverse time).
     grid_step = pl.program_id(2)
@@ -406,7 +302,6 @@ def _backward_kernel(
         grad_weight_rows_ref[...] = jnp.zeros_like(grad_weight_rows_ref)
 
     weight = _load_weight(weight_ref, future_grad_ref.shape, interpret)
-    unroll = _INTERPRET_UNROLL if interpret else _TPU_UNROLL
 
     def backprop_step(i, hidden_before, carry):
         future_grad, grad_weight_rows = carry
@@ -462,7 +357,7 @@ def indrnn_backward(
     *,
     nonlinearity: str,
     interpret: bool,
-    block_shape: tuple[int, int, int] | None = None,
+    blocks: tiling.RecurrenceBlocks | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of ``indrnn_forward`` from its saved outputs.
 
@@ -480,9 +375,8 @@ def indrnn_backward(
       output: the forward's ``output``, shape ``(T, B, F)``.
       weight: recurrent weight, shape ``(F,)``.
       h0: initial state, shape ``(B, F)``.
-      nonlinearity, interpret, block_shape: as for ``indrnn_forward``; use the same
-        ``nonlinearity`` as the forward pass. Any valid block shape gives the same
-        result.
+      nonlinearity, interpret, blocks: as for ``indrnn_forward``; use the same
+        ``nonlinearity`` as the forward pass. Any valid blocks give the same result.
 
     Returns:
       ``(grad_x, grad_weight, grad_h0)`` with shapes ``(T, B, F)``, ``(F,)``,
@@ -492,9 +386,9 @@ def indrnn_backward(
 
     Raises:
       ValueError: for an unknown ``nonlinearity``, mismatched shapes, non-float
-        dtypes, or an invalid ``block_shape``.
+        dtypes, or invalid ``blocks``.
     """
-    _check_nonlinearity(nonlinearity)
+    check_nonlinearity(nonlinearity)
     T, B, F = _check_shapes(output, weight, h0, x_name="output")
     if grad_output.shape != output.shape:
         raise ValueError(f"grad_output must have shape {output.shape}, got {grad_output.shape}")
@@ -508,31 +402,26 @@ def indrnn_backward(
             jnp.zeros(weight.shape, weight.dtype),
             grad_h_n.astype(h0.dtype) if T == 0 else jnp.zeros(h0.shape, h0.dtype),
         )
-    block_shape = _resolve_block_shape(block_shape, T, B, F, output.dtype, interpret)
-    return _backward_call(
-        grad_output, grad_h_n, output, weight, h0,
-        nonlinearity=nonlinearity, interpret=interpret, block_shape=block_shape,
-    )
+    blocks = tiling.resolve_recurrence(blocks, T, B, F, output.dtype, interpret=interpret)
+    return _backward_call(grad_output, grad_h_n, output, weight, h0,
+                          nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "block_shape"))
-def _backward_call(
-    grad_output, grad_h_n, output, weight, h0,
-    *, nonlinearity: str, interpret: bool, block_shape: tuple[int, int, int],
-):
+@functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))
+def _backward_call(grad_output, grad_h_n, output, weight, h0, *, nonlinearity: str, interpret: bool,
+                   blocks: tiling.RecurrenceBlocks):
     T, B, F = output.shape
-    block_t, block_b, block_f = block_shape
-    grid, reversed_time_block, sequence_spec, state_spec, weight_spec, time_options = _grid_and_shared_specs(
-        output.shape, block_shape, reverse_time=True)
-    num_time_blocks = time_options["num_time_blocks"]
+    specs = _recurrence_grid(output.shape, blocks, reverse_time=True)
+    num_time_blocks = specs.kernel_options["num_time_blocks"]
     # One time step of `output`: h at the step before the block's first step. The
     # time extent is 1, so the block index is the step index. Time block 0 has no
     # such row (h0 is used there); its index is clamped to a harmless 0.
     previous_row_spec = pl.BlockSpec(
-        (None, block_b, block_f),
-        lambda b, f, t: (jnp.maximum(reversed_time_block(t) * block_t - 1, 0), b, f),
+        (None, blocks.batch, blocks.features),
+        lambda b, f, t: (jnp.maximum(specs.time_block_of(t) * blocks.time - 1, 0), b, f),
     )
-    kernel = functools.partial(_backward_kernel, nonlinearity=nonlinearity, interpret=interpret, **time_options)
+    kernel = functools.partial(_backward_kernel, nonlinearity=nonlinearity, interpret=interpret,
+                               **specs.kernel_options)
     itemsize = output.dtype.itemsize
     grad_x, grad_h0, grad_weight_rows = pl.pallas_call(
         kernel,
@@ -541,10 +430,11 @@ def _backward_call(
             jax.ShapeDtypeStruct((B, F), h0.dtype),
             jax.ShapeDtypeStruct((B, F), jnp.float32),
         ),
-        grid=grid,
-        in_specs=[sequence_spec, state_spec, sequence_spec, previous_row_spec, weight_spec, state_spec],
-        out_specs=(sequence_spec, state_spec, state_spec),
-        scratch_shapes=[pltpu.VMEM((block_b, block_f), jnp.float32)],
+        grid=specs.grid,
+        in_specs=[specs.sequence_spec, specs.state_spec, specs.sequence_spec, previous_row_spec,
+                  specs.weight_spec, specs.state_spec],
+        out_specs=(specs.sequence_spec, specs.state_spec, specs.state_spec),
+        scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
         cost_estimate=pl.CostEstimate(
             flops=6 * T * B * F,

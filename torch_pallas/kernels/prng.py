@@ -11,9 +11,9 @@ Two generators, chosen by ``impl``:
     therefore compute its part of the global noise, whatever the block size or grid order.
 
 ``"hardware"``
-    The TPU's hardware PRNG, reseeded for every ``tile`` of the 2-D view from the key and
-    the tile's global index (the scheme of ``pltpu.sample_block``), so the noise is the same
-    for every block that is a multiple of the tile. TPU only; its bits differ from threefry's.
+    The TPU's hardware PRNG, reseeded for every (8, 128) tile of the 2-D view from the key
+    and the tile's global index (the scheme of ``pltpu.sample_block``), so the noise is the
+    same for every block made of whole tiles. TPU only; its bits differ from threefry's.
 
 Everything here runs inside a kernel body. Key data arrives as two int32 words in SMEM (the
 form it crosses the torch/JAX boundary in) and is reinterpreted as uint32 here.
@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from torch_pallas.kernels import arguments
+from torch_pallas.kernels.tiling import TILE
+
 THREEFRY = "threefry"
 HARDWARE = "hardware"
 IMPLS = (THREEFRY, HARDWARE)
-
-# The smallest unit the hardware generator is seeded for: one (8, 128) vreg of 32-bit values.
-DEFAULT_TILE = (8, 128)
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_SCHEDULE_PARITY = np.uint32(0x1BD11BDA)
@@ -40,14 +40,12 @@ _FLOAT32_ONE_BITS = np.uint32(0x3F800000)
 
 
 def check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return impl
+    return arguments.check_one_of("impl", impl, IMPLS)
 
 
-def read_key(key_ref) -> tuple[jax.Array, jax.Array]:
+def read_key(key_data_ref) -> tuple[jax.Array, jax.Array]:
     """The two key words from an SMEM ref of int32 shape (2,), as uint32 scalars."""
-    return key_ref[0].astype(jnp.uint32), key_ref[1].astype(jnp.uint32)
+    return key_data_ref[0].astype(jnp.uint32), key_data_ref[1].astype(jnp.uint32)
 
 
 def _rotate_left(x: jax.Array, distance: int) -> jax.Array:
@@ -84,46 +82,44 @@ def threefry_bits(k0, k1, flat_index: jax.Array) -> jax.Array:
     return y0 ^ y1
 
 
-def block_flat_index(block_shape: tuple[int, int], row0, col0, num_cols: int) -> jax.Array:
+def block_flat_index(chunk_shape: tuple[int, int], row0, col0, num_cols: int) -> jax.Array:
     """uint32 global row-major indices of a (rows, cols) block at (row0, col0)."""
-    rows = lax.broadcasted_iota(jnp.uint32, block_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
-    cols = lax.broadcasted_iota(jnp.uint32, block_shape, 1) + lax.convert_element_type(col0, jnp.uint32)
+    rows = lax.broadcasted_iota(jnp.uint32, chunk_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
+    cols = lax.broadcasted_iota(jnp.uint32, chunk_shape, 1) + lax.convert_element_type(col0, jnp.uint32)
     return rows * np.uint32(num_cols) + cols
 
 
-def hardware_bits(seed_words, chunk_shape, tile, tile_row0, tile_col0, num_tile_cols: int):
+def hardware_bits(key_data_ref, chunk_shape, tile_row0, tile_col0, num_tile_cols: int):
     """32 random bits per element of a chunk from the TPU hardware PRNG, reseeded per tile.
 
-    Each ``tile`` is seeded with the key words and its global row-major tile index, so its
-    bits do not depend on the block or chunk it was generated in. ``seed_words`` are the two
-    int32 key words; ``tile_row0, tile_col0`` the chunk's position in tiles. Runs only in
-    compiled Mosaic kernels: the hardware PRNG has no CPU rule.
+    Each tile is seeded with the key words and its global row-major tile index, so its
+    bits do not depend on the block or chunk it was generated in. ``tile_row0, tile_col0``
+    are the chunk's position in tiles. Runs only in compiled Mosaic kernels: the hardware
+    PRNG has no CPU rule.
     """
-    tile_rows, tile_cols = tile
+    tile_rows, tile_cols = TILE
     rows = []
     for r in range(chunk_shape[0] // tile_rows):
         row = []
         for c in range(chunk_shape[1] // tile_cols):
             tile_index = (tile_row0 + r) * num_tile_cols + (tile_col0 + c)
-            pltpu.prng_seed(seed_words[0], seed_words[1], tile_index)
-            row.append(pltpu.bitcast(pltpu.prng_random_bits(tile), jnp.uint32))
+            pltpu.prng_seed(key_data_ref[0], key_data_ref[1], tile_index)
+            row.append(pltpu.bitcast(pltpu.prng_random_bits(TILE), jnp.uint32))
         rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
 
 
-def chunk_bits(impl: str, key_ref, chunk_shape, row0, col0, num_cols: int, tile) -> jax.Array:
+def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, num_cols: int) -> jax.Array:
     """uint32 random bits for the (rows, cols) chunk at global position (row0, col0).
 
     ``num_cols`` is the width of the whole 2-D view. For ``impl="hardware"`` the chunk and
-    its position must be multiples of ``tile``.
+    its position must be whole tiles.
     """
     if impl == THREEFRY:
-        k0, k1 = read_key(key_ref)
+        k0, k1 = read_key(key_data_ref)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, num_cols))
-    tile_rows, tile_cols = tile
-    return hardware_bits(
-        (key_ref[0], key_ref[1]), chunk_shape, tile,
-        row0 // tile_rows, col0 // tile_cols, -(-num_cols // tile_cols))
+    tile_rows, tile_cols = TILE
+    return hardware_bits(key_data_ref, chunk_shape, row0 // tile_rows, col0 // tile_cols, -(-num_cols // tile_cols))
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:
@@ -166,9 +162,9 @@ def normal_from_bits(bits: jax.Array, dtype) -> jax.Array:
     return np.array(np.sqrt(2), dtype) * lax.erf_inv(u.astype(jnp.float32)).astype(dtype)
 
 
-def bernoulli_from_bits(bits: jax.Array, p) -> jax.Array:
-    """``jax.random.bernoulli(key, p, shape)`` from its random bits: ``uniform < p``.
+def bernoulli_from_bits(bits: jax.Array, probability_of_true) -> jax.Array:
+    """``jax.random.bernoulli(key, probability_of_true, shape)`` from its random bits.
 
-    ``p`` is a float32 (scalar or array); like JAX, the uniform is drawn at float32.
+    True where the float32 uniform is below ``probability_of_true`` (a float32), as in JAX.
     """
-    return unit_uniform(bits, jnp.float32) < p
+    return unit_uniform(bits, jnp.float32) < probability_of_true

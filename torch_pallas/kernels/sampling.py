@@ -3,7 +3,7 @@
 With ``impl="threefry"`` the result is bit for bit ``jax.random.uniform / normal /
 bernoulli(key, shape)`` for the key whose data is ``key_data``, for every block shape and
 grid order. With ``impl="hardware"`` (TPU only) it is the TPU PRNG's per-tile noise, the same
-for every block shape that is a multiple of ``tile``.
+for every block made of whole tiles.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from torch_pallas.kernels import elementwise, layout, prng
+from torch_pallas.kernels import arguments, elementwise, prng, tiling
 
 DISTRIBUTIONS = ("uniform", "normal", "bernoulli")
 
 
 def _bernoulli_as_int32(bits, p):
-    # Mosaic cannot store booleans; int32 keeps every block shape legal for the output.
+    # Mosaic cannot store booleans; int32 keeps every block legal for the output.
     return prng.bernoulli_from_bits(bits, p).astype(jnp.int32)
 
 
+def check_distribution(distribution: str) -> str:
+    return arguments.check_one_of("distribution", distribution, DISTRIBUTIONS)
+
+
 def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, p: float = 0.5,
-           impl: str = prng.THREEFRY, interpret: bool, block_shape=None, transpose_grid: bool = False,
-           tile=prng.DEFAULT_TILE) -> jax.Array:
+           impl: str = prng.THREEFRY, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None) -> jax.Array:
     """Samples a tensor of ``shape`` from ``distribution`` in one Pallas kernel.
 
     Args:
@@ -38,18 +41,16 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
         p: probability of True for bernoulli, drawn as ``uniform(float32) < float32(p)``.
         impl: ``"threefry"`` or ``"hardware"`` (TPU only; not with ``interpret``).
         interpret: run Pallas in interpret mode (any non-TPU backend).
-        block_shape: (rows, cols) block of the 2-D view; default chosen per shape and mode.
-        transpose_grid: walk the grid column-major instead of row-major (same result).
-        tile: hardware PRNG seeding tile; blocks must be multiples of it.
+        blocks: blocks of the 2-D view; default chosen per shape and mode. The numbers do
+            not depend on it.
 
     Raises:
-        ValueError: unknown distribution or impl, ``impl="hardware"`` in interpret mode, a
-            block shape Mosaic would reject, or a tensor of 2**32 or more elements.
+        ValueError: unknown distribution or impl, ``impl="hardware"`` in interpret mode,
+            blocks Mosaic would reject, or a tensor of 2**32 or more elements.
     """
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    check_distribution(distribution)
     shape = tuple(shape)
-    numel = layout.check_numel(shape)
+    numel = arguments.check_numel(shape)
     out_dtype = jnp.bool_ if distribution == "bernoulli" else jnp.dtype(dtype)
     if numel == 0:
         return jnp.zeros(shape, out_dtype)
@@ -61,7 +62,7 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
     else:
         transform, kernel_dtype = functools.partial(_bernoulli_as_int32, p=np.float32(p)), jnp.int32
     out = elementwise.noise_map(key_data, shape, transform, kernel_dtype, impl=impl, interpret=interpret,
-                                block_shape=block_shape, transpose_grid=transpose_grid, tile=tile)
+                                blocks=blocks)
     return out.astype(out_dtype)
 
 

@@ -22,7 +22,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, nonlinearity
 
 
 @indrnn.register_fake
-def _(x, weight, h0, nonlinearity):
+def _(x, weight, h0, *options):
     return torch.empty_like(x), x.new_empty(h0.shape)
 
 
@@ -38,7 +38,7 @@ def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: t
 
 
 @indrnn_backward.register_fake
-def _(grad_output, grad_h_n, output, weight, h0, nonlinearity):
+def _(grad_output, grad_h_n, output, weight, h0, *options):
     return torch.empty_like(output), torch.empty_like(weight), torch.empty_like(h0)
 
 

@@ -28,5 +28,5 @@ def sample(key_data: torch.Tensor, shape: Sequence[int], distribution: str, dtyp
 
 
 @sample.register_fake
-def _(key_data, shape, distribution, dtype, p, impl):
+def _(key_data, shape, distribution, dtype, *options):
     return key_data.new_empty(tuple(shape), dtype=_output_dtype(distribution, dtype))

@@ -1,0 +1,36 @@
+"""The argument checks every layer shares (torch-free, so the kernels use them too): one
+rule and one message per argument, wherever it is checked."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+# Flat element indices are the uint32 counters of the threefry noise.
+MAX_ELEMENTS = 2**32 - 1
+
+
+def check_one_of(name: str, value, accepted: tuple):
+    """``value`` if it is one of ``accepted``, else a ValueError listing them."""
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
+    return value
+
+
+def check_probability(p, name: str = "p") -> float:
+    """A real number in [0, 1] (NaN rejected), as a float."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__} {p!r}")
+    p = float(p)
+    if not 0.0 <= p <= 1.0:  # False for NaN too
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
+    return p
+
+
+def check_numel(shape, name: str = "shape") -> int:
+    """The number of elements of ``shape``; a ValueError from 2**32 on."""
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise ValueError(f"{name} {tuple(shape)} has 2**32 or more elements, which torch_pallas does not support "
+                         "(the noise counter is one 32-bit word)")
+    return numel

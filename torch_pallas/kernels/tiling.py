@@ -1,0 +1,205 @@
+"""Blocks: Mosaic's tile, every kernel's block configuration, its defaults, and one rule.
+
+A kernel's block configuration is a frozen dataclass (:class:`ElementwiseBlocks`,
+:class:`RecurrenceBlocks`), checked once in :func:`resolve_elementwise` /
+:func:`resolve_recurrence` by the same rule on every platform: the last two block dims
+are multiples of :data:`TILE` or the full dims (what Mosaic accepts), so a block that runs
+in interpret mode also compiles for TPU. A block larger than its dim is clamped to it.
+
+Elementwise kernels see any tensor as a row-major ``(rows, cols)`` matrix with the same
+flat order (:func:`view_2d`), so each element keeps its flat index, the counter of its
+threefry noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+# One vreg of 32-bit values: (sublanes, lanes). Blocks are multiples of it, and the
+# hardware PRNG is seeded once per tile.
+TILE = (8, 128)
+SUBLANES, LANES = TILE
+
+# Interpret mode: every grid step costs a fixed host overhead and copies of every operand
+# block, so blocks are as large as possible. TPU: a block plus its double buffers fits VMEM.
+_INTERPRET_BLOCK_ELEMENTS = 2**22
+_TPU_BLOCK_BYTES = 2**20
+_TPU_MAX_BLOCK_COLS = 2048
+_TPU_CHUNK_ROWS = 32
+
+_TPU_MAX_BLOCK_TIME = 256
+_TPU_MAX_BLOCK_BATCH = 32
+_TPU_MAX_BLOCK_FEATURES = 1024
+_TPU_SPLIT_BLOCK_FEATURES = 512
+# Each recurrence step is a short dependent chain; unrolling lets the TPU scheduler
+# overlap neighbouring steps' loads and stores (not tuned on hardware). In interpret mode
+# unrolling made XLA's CPU loop slower (8 steps: ~2x at (1000, 1, 1000)).
+_TPU_UNROLL = 8
+_INTERPRET_UNROLL = 1
+
+
+def _check_positive_ints(blocks, names) -> None:
+    for name in names:
+        value = getattr(blocks, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{type(blocks).__name__}.{name} must be a positive int, got {value!r}")
+        object.__setattr__(blocks, name, int(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseBlocks:
+    """A block of the ``(rows, cols)`` view an elementwise kernel (sampling, dropout) walks.
+
+    ``column_major_grid`` walks the blocks column by column; the noise does not change.
+    """
+    rows: int
+    cols: int
+    column_major_grid: bool = False
+
+    def __post_init__(self):
+        _check_positive_ints(self, ("rows", "cols"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrenceBlocks:
+    """A ``(time, batch, features)`` block of the IndRNN kernels, and their time-loop unroll
+    (``None``: the platform's default)."""
+    time: int
+    batch: int
+    features: int
+    unroll: int | None = None
+
+    def __post_init__(self):
+        _check_positive_ints(self, ("time", "batch", "features") + (("unroll",) if self.unroll is not None else ()))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def view_2d(shape) -> tuple[int, int]:
+    """(rows, cols) of the row-major 2-D view of a tensor of ``shape`` (numel > 0).
+
+    Prefers lane-dense views (cols a multiple of 128 dividing numel); otherwise the last
+    dim when it is wide, else a single row.
+    """
+    numel = math.prod(shape)
+    for cols in (1024, 512, 256, 128):
+        if numel % cols == 0:
+            return numel // cols, cols
+    last = shape[-1] if len(shape) else 1
+    if last >= LANES:
+        return numel // last, last
+    return 1, numel
+
+
+def _mosaic_block(block: tuple[int, int], full: tuple[int, int], what: str) -> tuple[int, int]:
+    """``block`` clamped to ``full``; raises unless each dim is a multiple of TILE or full."""
+    block = tuple(min(b, f) for b, f in zip(block, full))
+    if any(b != f and b % t for b, f, t in zip(block, full, TILE)):
+        raise ValueError(
+            f"{what}: a block of {block} over {full} is rejected by Mosaic (TPU), on every platform: "
+            f"each of the last two block dims must be a multiple of {TILE} or the full dim")
+    return block
+
+
+def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, itemsize: int, *,
+                        interpret: bool, whole_tiles: bool = False) -> ElementwiseBlocks:
+    """``blocks`` checked against a ``(rows, cols)`` view, or the default for it.
+
+    Default: few large blocks in interpret mode; about 1 MiB per operand block on TPU
+    (double-buffered in and out: 4 MiB of VMEM). ``whole_tiles`` (the hardware PRNG)
+    requires blocks made of whole tiles; the view is then padded to whole tiles.
+
+    Raises:
+        TypeError: ``blocks`` is not an :class:`ElementwiseBlocks`.
+        ValueError: a block Mosaic would reject, or not whole tiles when they are required.
+    """
+    if blocks is None:
+        blocks = _default_elementwise(rows, cols, itemsize, interpret)
+        if whole_tiles:
+            blocks = ElementwiseBlocks(round_up(blocks.rows, SUBLANES), round_up(blocks.cols, LANES))
+    elif not isinstance(blocks, ElementwiseBlocks):
+        raise TypeError(f"blocks must be an ElementwiseBlocks or None, got {type(blocks).__name__}")
+    block_rows, block_cols = _mosaic_block((blocks.rows, blocks.cols), (rows, cols), "blocks")
+    if whole_tiles and (block_rows % SUBLANES or block_cols % LANES):
+        raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {TILE} tiles for impl='hardware'")
+    return dataclasses.replace(blocks, rows=block_rows, cols=block_cols)
+
+
+def _default_elementwise(rows: int, cols: int, itemsize: int, interpret: bool) -> ElementwiseBlocks:
+    if interpret:
+        block_cols = cols
+        target = _INTERPRET_BLOCK_ELEMENTS
+    else:
+        target = _TPU_BLOCK_BYTES // itemsize
+        # A view of few rows (an odd-sized tensor seen as one row) gets wide blocks instead
+        # of many tiny ones.
+        max_cols = _TPU_MAX_BLOCK_COLS if rows >= SUBLANES else max(LANES, target // rows // LANES * LANES)
+        block_cols = min(cols, max_cols)
+    block_rows = max(SUBLANES, (target // block_cols) // SUBLANES * SUBLANES)
+    return ElementwiseBlocks(min(rows, block_rows), block_cols)
+
+
+def chunk_rows(block_rows: int, *, interpret: bool, whole_tiles: bool) -> int:
+    """Rows an elementwise kernel body processes at a time: the whole block in interpret
+    mode; on TPU a few vregs' worth (bounded code size and live registers), one tile
+    high for the hardware PRNG."""
+    if interpret:
+        return block_rows
+    if whole_tiles:
+        return SUBLANES
+    for rows in (_TPU_CHUNK_ROWS, SUBLANES):
+        if block_rows % rows == 0:
+            return rows
+    return block_rows
+
+
+def resolve_recurrence(blocks: RecurrenceBlocks | None, T: int, B: int, F: int, dtype, *,
+                       interpret: bool) -> RecurrenceBlocks:
+    """``blocks`` checked against a ``(T, B, F)`` sequence, or the default for it.
+
+    Default: in interpret mode the whole sequence as one block: each grid step there
+    dynamic-slices every operand's block out of the full array and writes it back (measured
+    on 2 cores: 500-step blocks made forward+backward ~2x slower than one block at
+    (1000, 1, 1000), 128-step blocks ~2.5x at (512, 64, 512)), and there is no VMEM to fit. On TPU:
+    ``features`` the full F up to 1024, else 512; ``batch`` the full B up to 32, else 32;
+    ``time`` so that one block is about 1 MiB (the backward keeps three such streams
+    double-buffered), between 8 and 256 steps, balanced over T.
+
+    Raises:
+        TypeError: ``blocks`` is not a :class:`RecurrenceBlocks`.
+        ValueError: a (batch, features) block Mosaic would reject.
+    """
+    unroll = _INTERPRET_UNROLL if interpret else _TPU_UNROLL
+    if blocks is None:
+        blocks = _default_recurrence(T, B, F, dtype, interpret)
+    elif not isinstance(blocks, RecurrenceBlocks):
+        raise TypeError(f"blocks must be a RecurrenceBlocks or None, got {type(blocks).__name__}")
+    batch, features = _mosaic_block((blocks.batch, blocks.features), (B, F), "blocks (batch, features)")
+    return RecurrenceBlocks(min(blocks.time, T), batch, features, blocks.unroll or unroll)
+
+
+def _balanced_block(length: int, max_block: int) -> int:
+    """The smallest block that splits ``length`` into as few blocks as ``max_block`` allows
+    (1000 -> 4 x 250 rather than 3 x 256 + 232: a small padded tail)."""
+    num_blocks = -(-length // max(1, max_block))
+    return -(-length // num_blocks)
+
+
+def _default_recurrence(T: int, B: int, F: int, dtype, interpret: bool) -> RecurrenceBlocks:
+    if interpret:
+        return RecurrenceBlocks(T, B, F)
+    itemsize = np.dtype(dtype).itemsize
+    features = F if F <= _TPU_MAX_BLOCK_FEATURES else _TPU_SPLIT_BLOCK_FEATURES
+    batch = min(B, _TPU_MAX_BLOCK_BATCH)
+    # Packed dtypes fill a vreg's sublanes with 32 // bits rows, so a (batch, features)
+    # slab occupies at least this many rows of VMEM.
+    sublane_tile = SUBLANES * max(1, 4 // itemsize)
+    step_bytes = round_up(batch, sublane_tile) * round_up(features, LANES) * itemsize
+    max_time = max(SUBLANES, min(_TPU_MAX_BLOCK_TIME, _TPU_BLOCK_BYTES // step_bytes))
+    return RecurrenceBlocks(_balanced_block(T, max_time), batch, features)
