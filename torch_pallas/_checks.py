@@ -12,7 +12,7 @@ import torch
 
 from torch_pallas import bridge
 from torch_pallas.kernels import prng
-from torch_pallas.kernels.arguments import check_numel, check_one_of, check_probability  # noqa: F401  (re-exported)
+from torch_pallas.kernels.arguments import check_numel, check_probability  # noqa: F401  (check_probability: re-exported)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

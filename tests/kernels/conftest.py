@@ -1,5 +1,6 @@
 """Kernel tests call JAX directly, on the JAX CPU backend in interpret mode, whatever the
-PJRT device of the torch tests is; TPU lowering is checked with jax.export."""
+PJRT device of the torch tests is; TPU compilation is checked with libtpu's compile-only
+client (test_tpu_compile.py)."""
 
 import jax
 import pytest

@@ -1,15 +1,13 @@
-"""The dropout kernel: its mask is jax.random.bernoulli's, for any block shape; TPU lowering."""
+"""The dropout kernel: its mask is jax.random.bernoulli's, for any blocks (TPU compilation: test_tpu_compile.py)."""
 
-import functools
 
 import numpy as np
 import jax
-import jax.export
 import jax.numpy as jnp
 import pytest
 
 from reference import SEEDS, jax_key, key_data, ulp_distance
-from torch_pallas.kernels import dropout as dropout_kernels, prng
+from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 dropout = jax.jit(dropout_kernels.dropout, static_argnames=(
@@ -50,16 +48,6 @@ def test_p_outside_unit_interval_is_rejected_and_p_one_drops_everything():
     np.testing.assert_array_equal(np.asarray(dropout(key_data(0), jnp.ones(4), p=1.0, interpret=True)), 0.0)
 
 
-@pytest.mark.parametrize("impl", prng.IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", [(1000, 1000), (64, 2048), (3, 5, 129), (1000001,)])
-def test_lowers_for_tpu(impl, dtype, shape):
-    kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False)
-    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
-        jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shape, dtype))
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
 def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
     seed, p, shape = SEEDS[1], 0.4, (6, 5, 100)
     x = jnp.ones(shape, jnp.float32)
@@ -68,12 +56,3 @@ def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shape))
     tiled = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True, blocks=Blocks(6, 256))
     np.testing.assert_array_equal(np.asarray(tiled), np.asarray(y))
-
-
-@pytest.mark.parametrize("impl", prng.IMPLS)
-def test_shared_mask_lowers_for_tpu(impl):
-    kernel = functools.partial(dropout_kernels.dropout, p=0.1, impl=impl, interpret=False,
-                               shared_over_first_dim=True)
-    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(
-        jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((100, 8, 256), jnp.float32))
-    assert "tpu_custom_call" in exported.mlir_module()

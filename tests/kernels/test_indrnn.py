@@ -1,16 +1,13 @@
 """Tests for torch_pallas.kernels.indrnn (JAX only; kernels run in interpret mode on CPU).
 
 Every kernel is checked against a float64 NumPy loop, across block shapes that
-leave ragged time, batch and feature edges, and is exported for TPU (Mosaic) to
-prove it lowers. Shapes are reused so that the file compiles few kernels.
+leave ragged time, batch and feature edges (TPU compilation: test_tpu_compile.py).
+Shapes are reused so that the file compiles few kernels.
 """
 
 from __future__ import annotations
 
-import functools
 
-import jax
-import jax.export  # noqa: F401  (jax.export is a submodule that is not imported by `import jax`)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +133,26 @@ def test_bfloat16_inputs():
     assert_matches_reference(results, problem, "tanh", forward_rtol=BFLOAT16_RTOL, gradient_rtol=BFLOAT16_RTOL)
 
 
+def test_float16_is_the_float32_kernel_rounded_once():
+    """Mosaic has no float16: float16 arrays run through the float32 kernel (exact widening)
+    and every result is rounded to float16 once, so CPU and TPU agree."""
+    shape, blocks = CASES["ragged_blocks"]
+    problem = {name: jnp.asarray(value, jnp.float16) for name, value in random_problem(*shape).items()}
+    x, weight, h0, grad_output, grad_h_n = (problem[name] for name in ("x", "weight", "h0", "grad_output", "grad_h_n"))
+    options = dict(nonlinearity="tanh", interpret=True, blocks=blocks)
+
+    def widened(function, *arrays):
+        return [result.astype(jnp.float16) for result in function(*(a.astype(jnp.float32) for a in arrays), **options)]
+
+    output, h_n = indrnn.indrnn_forward(x, weight, h0, **options)
+    gradients = indrnn.indrnn_backward(grad_output, grad_h_n, output, weight, h0, **options)
+    expected = widened(indrnn.indrnn_forward, x, weight, h0) + widened(
+        indrnn.indrnn_backward, grad_output, grad_h_n, output, weight, h0)
+    for name, got, wanted in zip(RESULT_NAMES, (output, h_n, *gradients), expected):
+        assert got.dtype == jnp.float16, name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(wanted), err_msg=name)
+
+
 def test_bfloat16_state_and_gradient_carry_are_float32():
     """1 + 2**-9 rounds back to 1 in bfloat16, so a bfloat16 state would stay at 1
     while a float32 state reaches 1 + 256 * 2**-9 = 1.5 (exact in bfloat16). The same
@@ -236,27 +253,3 @@ def test_default_blocks(shape, dtype):
     sublanes = 8 * (4 // itemsize)
     padded_bytes = blocks.time * (-(-blocks.batch // sublanes) * sublanes) * (-(-blocks.features // 128) * 128) * itemsize
     assert padded_bytes <= 1 << 20
-
-
-# ------------------------------------------------------------------ TPU lowering
-
-
-def export_for_tpu(function, *shape_dtype_structs):
-    exported = jax.export.export(jax.jit(function), platforms=["tpu"])(*shape_dtype_structs)
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
-@pytest.mark.parametrize(
-    "shape, blocks",
-    [((16, 8, 128), None), ((37, 3, 200), None), ((1000, 1, 1000), None), ((37, 12, 200), RecurrenceBlocks(8, 8, 128))],
-)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_kernels_lower_for_tpu(shape, blocks, dtype):
-    T, B, F = shape
-    sequence = jax.ShapeDtypeStruct((T, B, F), dtype)
-    state = jax.ShapeDtypeStruct((B, F), dtype)
-    weight = jax.ShapeDtypeStruct((F,), jnp.float32)
-    for nonlinearity in ("relu", "tanh"):
-        options = dict(nonlinearity=nonlinearity, interpret=False, blocks=blocks)
-        export_for_tpu(functools.partial(indrnn.indrnn_forward, **options), sequence, weight, state)
-        export_for_tpu(functools.partial(indrnn.indrnn_backward, **options), sequence, state, sequence, weight, state)

@@ -1,9 +1,17 @@
-"""The threefry core against JAX's own implementation and the published test vector."""
+"""The threefry core against JAX's own implementation and the published test vector; the
+hardware PRNG's per-tile seeds against JAX's sample_block and to_pallas_key."""
+
+import itertools
 
 import numpy as np
+import jax
 import jax.numpy as jnp
-from jax._src import prng as jax_prng
+import pytest
+from jax._src import blocked_sampler, prng as jax_prng
+from jax._src.pallas.mosaic import random as pallas_random
+from jax.experimental.pallas import tpu as pltpu
 
+from reference import SEEDS, jax_key, key_data
 from torch_pallas.kernels import prng
 
 
@@ -21,3 +29,38 @@ def test_threefry2x32_matches_jax():
     ours = prng.threefry2x32(k0, k1, jnp.asarray(x0), jnp.asarray(x1))
     theirs = jax_prng.threefry_2x32(jnp.array([k0, k1]), jnp.concatenate([jnp.asarray(x0), jnp.asarray(x1)]))
     np.testing.assert_array_equal(np.concatenate([np.asarray(o) for o in ours]), np.asarray(theirs))
+
+
+# --- Hardware PRNG seeds: plain integer arithmetic, checked against JAX's own functions ---
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hardware_key_is_to_pallas_key(seed):
+    ours = np.asarray(prng.hardware_key_data(jnp.asarray(key_data(seed)))).view(np.uint32)
+    theirs = np.asarray(jax.random.key_data(pltpu.to_pallas_key(jax_key(seed)))).reshape(-1)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tile_seed_is_pallas_fold_in(seed, monkeypatch):
+    # JAX's pallas_tpu fold_in runs only inside a kernel (its key wrap/unwrap primitives have
+    # no CPU rule); with those two made plain tuples, JAX's own arithmetic runs here.
+    monkeypatch.setattr(pallas_random, "unwrap_pallas_seed", lambda words: words)
+    monkeypatch.setattr(pallas_random, "wrap_pallas_seed", lambda *words, impl: words)
+    hardware_key = prng.hardware_key_data(jnp.asarray(key_data(seed)))
+    indices = jnp.array([0, 1, 7, 2**20 + 3, 2**31 + 5, 2**32 - 1], dtype=jnp.uint32)
+    ours = prng.tile_seed(hardware_key[0], hardware_key[1], indices.view(jnp.int32))
+    theirs = pallas_random._fold_in(tuple(hardware_key.view(jnp.uint32)), indices)
+    for our_word, their_word in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(our_word).view(np.uint32), np.asarray(their_word))
+
+
+@pytest.mark.parametrize("total,block", [((16, 512), (16, 256)), ((16, 512), (8, 128)), ((64, 1024), (32, 512)),
+                                         ((24, 384), (24, 128))])
+def test_tile_index_is_sample_blocks(total, block):
+    tiles_per_block = (block[0] // 8, block[1] // 128)
+    tiles_in_total = (total[0] // 8, total[1] // 128)
+    for block_row, block_col in itertools.product(range(total[0] // block[0]), range(total[1] // block[1])):
+        for r, c in itertools.product(*map(range, tiles_per_block)):
+            theirs = blocked_sampler._compute_tile_index((block_row, block_col), tiles_per_block, tiles_in_total, (r, c))
+            row0, col0 = block_row * block[0] + r * 8, block_col * block[1] + c * 128
+            assert prng.tile_index(row0, col0, total[1]) == theirs

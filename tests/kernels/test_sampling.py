@@ -1,15 +1,13 @@
 """The sampling kernels against jax.random, bit for bit, for every block shape and grid order."""
 
-import functools
 
 import numpy as np
 import jax
-import jax.export
 import jax.numpy as jnp
 import pytest
 
 from reference import SEEDS, as_bits, jax_key, key_data, ulp_distance
-from torch_pallas.kernels import prng, sampling
+from torch_pallas.kernels import sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 # (shape, block shapes to try). Blocks that do not divide the 2-D view are included: Pallas
@@ -107,19 +105,3 @@ def test_bad_arguments_raise():
         sampling.uniform(key_data(0), (64, 1024), interpret=True, blocks=Blocks(3, 100))
     with pytest.raises(ValueError, match="2\\*\\*32"):
         sampling.uniform(key_data(0), (2**16, 2**16), interpret=True)
-
-
-# --- TPU lowering (Mosaic), checked on this machine without a TPU -----------------------
-
-EXPORT_SHAPES = [((1000, 1000), None), ((64, 2048), Blocks(16, 1024)), ((3, 5, 129), None)]
-
-
-@pytest.mark.parametrize("impl", prng.IMPLS)
-@pytest.mark.parametrize("distribution", sampling.DISTRIBUTIONS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape,blocks", EXPORT_SHAPES)
-def test_lowers_for_tpu(impl, distribution, dtype, shape, blocks):
-    kernel = functools.partial(sampling.sample, shape=shape, distribution=distribution, dtype=dtype,
-                               impl=impl, interpret=False, blocks=blocks)
-    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(jax.ShapeDtypeStruct((2,), jnp.int32))
-    assert "tpu_custom_call" in exported.mlir_module()

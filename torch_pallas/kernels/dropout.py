@@ -51,6 +51,12 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
     arguments.check_numel(x.shape, "x.shape")
     if x.size == 0:
         return x
+    if x.dtype == jnp.float16:
+        # The values are scaled in float32 and rounded once for every dtype; here the
+        # rounding happens outside the kernel.
+        (wide,) = tiling.widen_float16(x)
+        return dropout(key_data, wide, p=p, impl=impl, interpret=interpret, blocks=blocks,
+                       shared_over_first_dim=shared_over_first_dim).astype(x.dtype)
     transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
     return elementwise.noise_map(key_data, x.shape, transform, x.dtype, x, impl=impl, interpret=interpret,
                                  blocks=blocks, shared_over_first_dim=shared_over_first_dim)

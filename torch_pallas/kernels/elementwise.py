@@ -18,38 +18,48 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import prng, tiling
 
 
-def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, rows_per_chunk, column_major_grid,
+def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, chunk_shape, column_major_grid,
                   shared_over_first_dim):
     out_ref = refs[-1]
     operand_ref = refs[0] if len(refs) == 2 else None
     block_rows, block_cols = out_ref.shape
+    chunk_rows, chunk_cols = chunk_shape
     block_row, block_col = pl.program_id(0), pl.program_id(1)
     if column_major_grid:
         block_row, block_col = block_col, block_row
     row0 = block_row * block_rows
     col0 = block_col * block_cols
 
-    def chunk(row_offset):
-        rows = pl.ds(row_offset, rows_per_chunk)
+    def chunk(row_offset, col_offset):
+        rows, cols = pl.ds(row_offset, chunk_rows), pl.ds(col_offset, chunk_cols)
         if shared_over_first_dim:
             # Every row gets row 0's bits: draw one row (one tile row for the hardware PRNG).
             drawn_rows = tiling.SUBLANES if impl == prng.HARDWARE else 1
-            bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, block_cols), 0, col0, num_cols)
-            bits = jnp.broadcast_to(bits[:1], (rows_per_chunk, block_cols))
+            bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset, num_cols)
+            bits = jnp.broadcast_to(bits[:1], chunk_shape)
         else:
-            bits = prng.chunk_bits(impl, key_data_ref, (rows_per_chunk, block_cols), row0 + row_offset, col0, num_cols)
+            bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset, num_cols)
         if operand_ref is None:
-            out_ref[rows, :] = transform(bits)
+            out_ref[rows, cols] = transform(bits)
         else:
-            out_ref[rows, :] = transform(bits, operand_ref[rows, :])
+            out_ref[rows, cols] = transform(bits, operand_ref[rows, cols])
 
-    if rows_per_chunk == block_rows:
-        chunk(0)
-    else:
-        def step(index, carry):
-            chunk(pl.multiple_of(index * rows_per_chunk, rows_per_chunk))
-            return carry
-        jax.lax.fori_loop(0, block_rows // rows_per_chunk, step, 0)
+    # A loop, not Python unrolling, over the block's chunks: the kernel's code size stays
+    # bounded however large the block.
+    chunks_per_row = block_cols // chunk_cols
+    num_chunks = block_rows // chunk_rows * chunks_per_row
+    if num_chunks == 1:
+        chunk(0, 0)
+        return
+
+    def step(index, carry):
+        # Offsets along a dim with a single chunk stay static: Mosaic must prove a dynamic
+        # offset aligned to the dtype's packing, which a one-row chunk cannot show.
+        row_offset = pl.multiple_of(index // chunks_per_row * chunk_rows, chunk_rows) if chunk_rows < block_rows else 0
+        col_offset = pl.multiple_of(index % chunks_per_row * chunk_cols, chunk_cols) if chunks_per_row > 1 else 0
+        chunk(row_offset, col_offset)
+        return carry
+    jax.lax.fori_loop(0, num_chunks, step, 0)
 
 
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
@@ -98,7 +108,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     else:
         block_spec = pl.BlockSpec((blocks.rows, blocks.cols), lambda i, j: (i, j))
     in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
-    operands = [key_data]
+    operands = [prng.hardware_key_data(key_data) if hardware else key_data]
     if operand is not None:
         operand = operand.reshape(rows, cols)
         if (view_rows, view_cols) != (rows, cols):
@@ -108,7 +118,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, num_cols=view_cols,
         column_major_grid=blocks.column_major_grid, shared_over_first_dim=shared_over_first_dim,
-        rows_per_chunk=tiling.chunk_rows(blocks.rows, interpret=interpret, whole_tiles=hardware))
+        chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, whole_tiles=hardware))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((view_rows, view_cols), out_dtype),

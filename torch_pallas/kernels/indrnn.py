@@ -64,7 +64,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -217,8 +216,10 @@ def indrnn_forward(
     T, B, F = _check_shapes(x, weight, h0)
     if T == 0 or B == 0 or F == 0:
         return jnp.zeros(x.shape, x.dtype), h0.astype(x.dtype)
-    blocks = tiling.resolve_recurrence(blocks, T, B, F, x.dtype, interpret=interpret)
-    return _forward_call(x, weight, h0, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    wide = tiling.widen_float16(x, weight, h0)
+    blocks = tiling.resolve_recurrence(blocks, T, B, F, wide[0].dtype, interpret=interpret)
+    output, h_n = _forward_call(*wide, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    return output.astype(x.dtype), h_n.astype(x.dtype)
 
 
 class _RecurrenceGrid(NamedTuple):
@@ -402,9 +403,10 @@ def indrnn_backward(
             jnp.zeros(weight.shape, weight.dtype),
             grad_h_n.astype(h0.dtype) if T == 0 else jnp.zeros(h0.shape, h0.dtype),
         )
-    blocks = tiling.resolve_recurrence(blocks, T, B, F, output.dtype, interpret=interpret)
-    return _backward_call(grad_output, grad_h_n, output, weight, h0,
-                          nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    wide = tiling.widen_float16(grad_output, grad_h_n, output, weight, h0)
+    blocks = tiling.resolve_recurrence(blocks, T, B, F, wide[2].dtype, interpret=interpret)
+    grad_x, grad_weight, grad_h0 = _backward_call(*wide, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    return grad_x.astype(output.dtype), grad_weight.astype(weight.dtype), grad_h0.astype(h0.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))

@@ -11,9 +11,12 @@ Two generators, chosen by ``impl``:
     therefore compute its part of the global noise, whatever the block size or grid order.
 
 ``"hardware"``
-    The TPU's hardware PRNG, reseeded for every (8, 128) tile of the 2-D view from the key
-    and the tile's global index (the scheme of ``pltpu.sample_block``), so the noise is the
-    same for every block made of whole tiles. TPU only; its bits differ from threefry's.
+    The TPU's hardware PRNG, reseeded for every (8, 128) tile of the 2-D view exactly as
+    ``pltpu.sample_block`` seeds it with a key from ``pltpu.to_pallas_key``: the Pallas key
+    is ``jax.random.bits(key, (1, 2), uint32)`` (:func:`hardware_key_data`), a tile's key is
+    its ``fold_in`` of the row-major tile index (:func:`tile_seed`), and ``prng_seed`` gets
+    those two words. So the noise is the same for every block made of whole tiles, and what
+    a JAX user's ``sample_block`` draws on the same TPU. TPU only; not threefry's bits.
 
 Everything here runs inside a kernel body. Key data arrives as two int32 words in SMEM (the
 form it crosses the torch/JAX boundary in) and is reinterpreted as uint32 here.
@@ -49,7 +52,9 @@ def read_key(key_data_ref) -> tuple[jax.Array, jax.Array]:
 
 
 def _rotate_left(x: jax.Array, distance: int) -> jax.Array:
-    return (x << np.uint32(distance)) | (x >> np.uint32(32 - distance))
+    """32-bit rotation, for uint32 (threefry's vectors) and int32 (the tile seeds' scalars)."""
+    dtype = jnp.dtype(x.dtype).type
+    return lax.shift_left(x, dtype(distance)) | lax.shift_right_logical(x, dtype(32 - distance))
 
 
 def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
@@ -89,37 +94,46 @@ def block_flat_index(chunk_shape: tuple[int, int], row0, col0, num_cols: int) ->
     return rows * np.uint32(num_cols) + cols
 
 
-def hardware_bits(key_data_ref, chunk_shape, tile_row0, tile_col0, num_tile_cols: int):
-    """32 random bits per element of a chunk from the TPU hardware PRNG, reseeded per tile.
+def hardware_key_data(key_data: jax.Array) -> jax.Array:
+    """int32 (2,) data of ``pltpu.to_pallas_key(key)``, i.e. ``jax.random.bits(key, (1, 2),
+    uint32)``: threefry's bits for counters 0 and 1. Computed outside the kernel."""
+    words = lax.bitcast_convert_type(key_data, jnp.uint32)
+    bits = threefry_bits(words[0], words[1], jnp.arange(2, dtype=jnp.uint32))
+    return lax.bitcast_convert_type(bits, jnp.int32)
 
-    Each tile is seeded with the key words and its global row-major tile index, so its
-    bits do not depend on the block or chunk it was generated in. ``tile_row0, tile_col0``
-    are the chunk's position in tiles. Runs only in compiled Mosaic kernels: the hardware
-    PRNG has no CPU rule.
-    """
-    tile_rows, tile_cols = TILE
-    rows = []
-    for r in range(chunk_shape[0] // tile_rows):
-        row = []
-        for c in range(chunk_shape[1] // tile_cols):
-            tile_index = (tile_row0 + r) * num_tile_cols + (tile_col0 + c)
-            pltpu.prng_seed(key_data_ref[0], key_data_ref[1], tile_index)
-            row.append(pltpu.bitcast(pltpu.prng_random_bits(TILE), jnp.uint32))
-        rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
-    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+def tile_seed(hardware_key0, hardware_key1, tile_index):
+    """The two int32 words ``prng_seed`` gets for a tile: the Pallas key's ``fold_in`` of the
+    tile index (JAX's ``pallas_tpu`` impl: ``key1 += index``, then one threefry round with
+    rotation 13). Plain integer arithmetic, so it is tested on CPU against JAX's own."""
+    key1 = hardware_key1 + tile_index
+    key0 = hardware_key0 + key1
+    return key0, _rotate_left(key1, 13) ^ key0
+
+
+def tile_index(row0, col0, num_cols: int):
+    """Row-major index of the tile at element (row0, col0) of a view ``num_cols`` wide (whole
+    tiles), as ``sample_block`` numbers tiles."""
+    return row0 // TILE[0] * (num_cols // TILE[1]) + col0 // TILE[1]
+
+
+def hardware_tile_bits(hardware_key_ref, tile_index) -> jax.Array:
+    """uint32 bits of one (8, 128) tile from the TPU hardware PRNG, seeded for that tile.
+    Compiled Mosaic kernels only: the hardware PRNG has no CPU rule."""
+    pltpu.prng_seed(*tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index))
+    return pltpu.bitcast(pltpu.prng_random_bits(TILE), jnp.uint32)
 
 
 def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, num_cols: int) -> jax.Array:
     """uint32 random bits for the (rows, cols) chunk at global position (row0, col0).
 
-    ``num_cols`` is the width of the whole 2-D view. For ``impl="hardware"`` the chunk and
-    its position must be whole tiles.
+    ``num_cols`` is the width of the whole 2-D view. For ``impl="hardware"`` the chunk is
+    one tile at a tile's position, and ``key_data_ref`` holds :func:`hardware_key_data`.
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, num_cols))
-    tile_rows, tile_cols = TILE
-    return hardware_bits(key_data_ref, chunk_shape, row0 // tile_rows, col0 // tile_cols, -(-num_cols // tile_cols))
+    return hardware_tile_bits(key_data_ref, tile_index(row0, col0, num_cols))
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:
@@ -146,18 +160,23 @@ def uniform_from_bits(bits: jax.Array, dtype) -> jax.Array:
 
 
 def normal_from_bits(bits: jax.Array, dtype) -> jax.Array:
-    """``jax.random.normal(key, shape, dtype)`` from its random bits.
+    """``jax.random.normal(key, shape, dtype)`` from its random bits."""
+    return normal_from_uniform(uniform_from_bits(bits, dtype))
+
+
+def normal_from_uniform(uniform: jax.Array) -> jax.Array:
+    """``jax.random.normal`` from ``jax.random.uniform``'s numbers in the same dtype.
 
     JAX maps a uniform on (-1, 1) through ``sqrt(2) * erfinv``; the arithmetic is done in
-    ``dtype`` as JAX does it, so bfloat16 and float16 roundings match too. The float32
-    ``erf_inv`` may differ from an XLA-computed reference by a few ulps (3 seen): XLA's CPU compiler
-    rounds its polynomial differently depending on how the surrounding loop is vectorized.
+    the uniform's dtype as JAX does it, so bfloat16 and float16 roundings match too. The
+    float32 ``erf_inv`` may differ from an XLA-computed reference by a few ulps (3 seen):
+    XLA's CPU compiler rounds its polynomial differently depending on how the surrounding
+    loop is vectorized.
     """
-    dtype = jnp.dtype(dtype)
+    dtype = uniform.dtype
     lo = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype), dtype=dtype)
     span = np.array(1.0, dtype) - lo
-    floats = unit_uniform(bits, dtype).astype(dtype)
-    u = jnp.maximum(lo, floats * span + lo)
+    u = jnp.maximum(lo, uniform * span + lo)
     # XLA evaluates a 16-bit erf_inv in float32 and rounds; Mosaic has no 16-bit erf_inv.
     return np.array(np.sqrt(2), dtype) * lax.erf_inv(u.astype(jnp.float32)).astype(dtype)
 

@@ -55,15 +55,20 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
     if numel == 0:
         return jnp.zeros(shape, out_dtype)
 
-    if distribution == "uniform":
-        transform, kernel_dtype = functools.partial(prng.uniform_from_bits, dtype=out_dtype), out_dtype
-    elif distribution == "normal":
-        transform, kernel_dtype = functools.partial(prng.normal_from_bits, dtype=out_dtype), out_dtype
-    else:
+    float16 = out_dtype == jnp.float16
+    if distribution == "bernoulli":
         transform, kernel_dtype = functools.partial(_bernoulli_as_int32, p=np.float32(p)), jnp.int32
+    elif float16:
+        # Mosaic has no float16: the kernel draws float32 uniforms that float16 holds
+        # exactly, and the normal's float16 arithmetic runs after it.
+        transform, kernel_dtype = functools.partial(prng.unit_uniform, dtype=out_dtype), jnp.float32
+    elif distribution == "uniform":
+        transform, kernel_dtype = functools.partial(prng.uniform_from_bits, dtype=out_dtype), out_dtype
+    else:
+        transform, kernel_dtype = functools.partial(prng.normal_from_bits, dtype=out_dtype), out_dtype
     out = elementwise.noise_map(key_data, shape, transform, kernel_dtype, impl=impl, interpret=interpret,
-                                blocks=blocks)
-    return out.astype(out_dtype)
+                                blocks=blocks).astype(out_dtype)
+    return prng.normal_from_uniform(out) if float16 and distribution == "normal" else out
 
 
 def uniform(key_data, shape, dtype=jnp.float32, **options):

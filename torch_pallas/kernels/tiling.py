@@ -1,4 +1,5 @@
-"""Blocks: Mosaic's tile, every kernel's block configuration, its defaults, and one rule.
+"""What Mosaic asks of a kernel: its tile, every kernel's block configuration with its
+defaults and one rule, and no float16.
 
 A kernel's block configuration is a frozen dataclass (:class:`ElementwiseBlocks`,
 :class:`RecurrenceBlocks`), checked once in :func:`resolve_elementwise` /
@@ -17,6 +18,7 @@ import dataclasses
 import math
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
 
 # One vreg of 32-bit values: (sublanes, lanes). Blocks are multiples of it, and the
@@ -29,7 +31,9 @@ SUBLANES, LANES = TILE
 _INTERPRET_BLOCK_ELEMENTS = 2**22
 _TPU_BLOCK_BYTES = 2**20
 _TPU_MAX_BLOCK_COLS = 2048
-_TPU_CHUNK_ROWS = 32
+# A kernel body's chunk: at most 8 vregs of 32-bit values per live array.
+_TPU_CHUNK_COLS = 1024
+_TPU_CHUNK_ELEMENTS = 8 * 1024
 
 _TPU_MAX_BLOCK_TIME = 256
 _TPU_MAX_BLOCK_BATCH = 32
@@ -75,6 +79,13 @@ class RecurrenceBlocks:
 
     def __post_init__(self):
         _check_positive_ints(self, ("time", "batch", "features") + (("unroll",) if self.unroll is not None else ()))
+
+
+def widen_float16(*arrays):
+    """The arrays, float16 ones as float32 (exact). Mosaic has no float16 ("Unsupported type
+    in mosaic dialect: 'f16'"), so kernels see float16 operands as float32 on every
+    platform, and their callers round float16 results once, outside the kernel."""
+    return tuple(a.astype(jnp.float32) if a.dtype == jnp.float16 else a for a in arrays)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -133,30 +144,38 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
 
 def _default_elementwise(rows: int, cols: int, itemsize: int, interpret: bool) -> ElementwiseBlocks:
     if interpret:
-        block_cols = cols
-        target = _INTERPRET_BLOCK_ELEMENTS
-    else:
-        target = _TPU_BLOCK_BYTES // itemsize
-        # A view of few rows (an odd-sized tensor seen as one row) gets wide blocks instead
-        # of many tiny ones.
-        max_cols = _TPU_MAX_BLOCK_COLS if rows >= SUBLANES else max(LANES, target // rows // LANES * LANES)
-        block_cols = min(cols, max_cols)
-    block_rows = max(SUBLANES, (target // block_cols) // SUBLANES * SUBLANES)
-    return ElementwiseBlocks(min(rows, block_rows), block_cols)
+        block_rows = max(SUBLANES, _INTERPRET_BLOCK_ELEMENTS // cols // SUBLANES * SUBLANES)
+        return ElementwiseBlocks(min(rows, block_rows), cols)
+    target = _TPU_BLOCK_BYTES // itemsize
+    if rows >= SUBLANES:
+        block_cols = min(cols, _TPU_MAX_BLOCK_COLS)
+        # VMEM pads a block's rows to whole lanes (128 of them): a narrow view's budget counts them.
+        block_rows = max(SUBLANES, target // round_up(block_cols, LANES) // SUBLANES * SUBLANES)
+        return ElementwiseBlocks(min(rows, block_rows), block_cols)
+    # A view of few rows (an odd-sized tensor seen as one row) gets one wide block row. VMEM
+    # pads it to a whole sublane tile (8 rows of 32 bits, 16 of 16 bits), so its width is
+    # budgeted for that; beyond a chunk's width it is made a multiple of the chunk, so the
+    # kernel body can walk it in bounded chunks.
+    max_cols = max(LANES, target // (SUBLANES * max(1, 4 // itemsize)) // LANES * LANES)
+    block_cols = min(cols, max_cols)
+    if block_cols > _TPU_CHUNK_COLS:
+        block_cols = block_cols // _TPU_CHUNK_COLS * _TPU_CHUNK_COLS
+    return ElementwiseBlocks(rows, block_cols)
 
 
-def chunk_rows(block_rows: int, *, interpret: bool, whole_tiles: bool) -> int:
-    """Rows an elementwise kernel body processes at a time: the whole block in interpret
-    mode; on TPU a few vregs' worth (bounded code size and live registers), one tile
-    high for the hardware PRNG."""
+def chunk_shape(blocks: ElementwiseBlocks, *, interpret: bool, whole_tiles: bool) -> tuple[int, int]:
+    """What an elementwise kernel body processes at a time: the whole block in interpret
+    mode; on TPU a few vregs, so that the threefry rounds' live values stay in registers
+    (a (1, 262144) chunk spilled 24 MiB and overflowed v4's VMEM); one tile for the
+    hardware PRNG, which is seeded per tile."""
     if interpret:
-        return block_rows
+        return blocks.rows, blocks.cols
     if whole_tiles:
-        return SUBLANES
-    for rows in (_TPU_CHUNK_ROWS, SUBLANES):
-        if block_rows % rows == 0:
-            return rows
-    return block_rows
+        return TILE
+    cols = next((c for c in (_TPU_CHUNK_COLS, 512, 256, LANES) if blocks.cols % c == 0), blocks.cols)
+    rows = next((r for r in (32, 16, SUBLANES) if blocks.rows % r == 0 and r * cols <= _TPU_CHUNK_ELEMENTS),
+                SUBLANES if blocks.rows % SUBLANES == 0 else blocks.rows)
+    return rows, cols
 
 
 def resolve_recurrence(blocks: RecurrenceBlocks | None, T: int, B: int, F: int, dtype, *,
