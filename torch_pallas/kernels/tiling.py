@@ -4,8 +4,9 @@ defaults and one rule, and no float16.
 A kernel's block configuration is a frozen dataclass (:class:`ElementwiseBlocks`,
 :class:`RecurrenceBlocks`), checked once in :func:`resolve_elementwise` /
 :func:`resolve_recurrence` by the same rule on every platform: the last two block dims
-are multiples of :data:`TILE` or the full dims (what Mosaic accepts), so a block that runs
-in interpret mode also compiles for TPU. A block larger than its dim is clamped to it.
+are multiples of :data:`TILE` or the full dims (what Mosaic accepts), so a block accepted
+in interpret mode meets Mosaic's rule too (whether it fits VMEM only the TPU compiler
+tells: ``tests/kernels/test_tpu_compile.py``). A block larger than its dim is clamped to it.
 
 Elementwise kernels see any tensor as a row-major ``(rows, cols)`` matrix with the same
 flat order (:func:`view_2d`), so each element keeps its flat index, the counter of its
