@@ -7,6 +7,8 @@ which noise generator is the default there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch_xla
 import torch_xla.runtime as xr
@@ -35,6 +37,20 @@ def _pin_mosaic_ir_version() -> None:
 
 
 _pin_mosaic_ir_version()
+
+
+def _keep_jax_on_cpu_with_the_cpu_client() -> None:
+    """On ``PJRT_DEVICE=CPU`` JAX needs only its CPU backend. Without this, an installed
+    libtpu (the test extra's TPU compiler) makes JAX try to start a TPU backend at its
+    first use and print libtpu's initialisation errors. An explicit ``JAX_PLATFORMS`` wins;
+    libtpu's compile-only TPU devices (:mod:`torch_pallas.tpu_compile`) work either way."""
+    if xr.device_type() == "CPU" and not os.environ.get("JAX_PLATFORMS"):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
+_keep_jax_on_cpu_with_the_cpu_client()
 
 
 # Both facts are fixed for a process; dynamo treats them as constants instead of tracing
