@@ -16,8 +16,8 @@ def xla(t):
 
 def test_dropout_module_behaves_like_torch():
     module = Dropout(0.25)
-    assert repr(module) == "Dropout(p=0.25)"
-    assert repr(Dropout(0.1, impl="threefry")) == "Dropout(p=0.1, impl='threefry')"
+    assert repr(module) == repr(torch.nn.Dropout(0.25)) == "Dropout(p=0.25, inplace=False)"
+    assert repr(Dropout(0.1, impl="threefry")) == "Dropout(p=0.1, inplace=False, impl='threefry')"
     x = xla(torch.ones(16, 256))
     assert module.training
     y = module(x).cpu()
@@ -32,6 +32,28 @@ def test_dropout_module_rejects_bad_p(p, error):
         Dropout(p)
 
 
+def test_dropout_module_is_a_torch_dropout_with_its_signature():
+    assert isinstance(Dropout(), torch.nn.Dropout) and Dropout().p == 0.5 and not Dropout().inplace
+    positional, keyword = Dropout(0.3, True), Dropout(p=0.3, inplace=True)
+    assert positional.inplace and keyword.inplace and positional.p == keyword.p == 0.3
+
+
+def test_inplace_dropout_writes_into_its_input_and_keeps_its_gradient():
+    base = xla(torch.rand(16, 256) + 0.5).requires_grad_()
+    x = base * 1  # a non-leaf: torch allows in-place ops only there
+    out = Dropout(0.5, inplace=True)(x)
+    assert out is x and (out == 0).any()
+    out.sum().backward()
+    torch.testing.assert_close(base.grad.cpu(), (out.detach().cpu() != 0).float() * 2, rtol=0, atol=0)
+
+
+def test_eval_is_the_identity_on_any_device_and_dtype():
+    module = Dropout(0.5).eval()
+    for tensor in (torch.ones(3), torch.arange(4), xla(torch.arange(4))):
+        assert module(tensor) is tensor
+        assert torch_pallas.dropout(tensor, 0.5, training=False) is tensor
+
+
 def test_convert_dropout_replaces_nested_modules_in_place():
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 4), torch.nn.Dropout(0.2),
@@ -43,6 +65,7 @@ def test_convert_dropout_replaces_nested_modules_in_place():
     assert same is model
     assert type(model[1]) is Dropout and model[1].p == 0.2
     assert type(model[2][0]) is Dropout and model[2][0].p == 0.1 and not model[2][0].training
+    assert model[2][0].inplace and not model[1].inplace
     assert type(model[2][1]) is torch.nn.Dropout2d
     assert type(model[3]["inner"]) is Dropout and model[3]["inner"].p == 0.4
     assert type(convert_dropout(torch.nn.Dropout(0.3))) is Dropout

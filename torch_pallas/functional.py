@@ -23,11 +23,12 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
     the kernels' block sizes.
 
     Args:
-        x (Tensor): float32, bfloat16 or float16, any shape, on an XLA device.
+        x (Tensor): float32, bfloat16 or float16, any shape, on an XLA device (any tensor
+            when nothing is dropped: ``training=False`` or ``p == 0``).
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. ``p == 0``
             returns ``x``; ``p == 1`` returns zeros (with zero gradient).
-        training (bool): apply dropout if ``True``; return ``x`` itself if ``False``
-            (the arguments are checked either way).
+        training (bool): apply dropout if ``True``; return ``x`` itself if ``False``, for
+            any device and dtype (the other arguments are checked either way).
         seed (int, optional): in :math:`[0, 2^{64})`; the same seed gives the same mask.
         generator (torch.Generator, optional): a CPU generator to draw the key from.
             Without ``seed`` or ``generator`` a fresh key is drawn from the XLA device's RNG
@@ -55,16 +56,19 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
         >>> y = torch_pallas.dropout(x, p=0.1, seed=0)
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
-    _checks.check_float_tensor(x, "x")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     p = _checks.check_probability(p)
     impl = _checks.resolve_impl(impl)
-    _checks.check_numel(x.shape, "x")
     if shared_over_first_dim and x.dim() == 0:
         raise ValueError("shared_over_first_dim needs an input with at least one dimension")
-    if not training or p in (0.0, 1.0):
+    if not training or p == 0.0:
         seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
-        if not training or p == 0.0:
-            return x
+        return x  # the identity, as torch's, for any device and dtype
+    _checks.check_float_tensor(x, "x")
+    _checks.check_numel(x.shape, "x")
+    if p == 1.0:
+        seeds.check_source(seed, generator)
         return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
     key_data = seeds.key_data(seed=seed, generator=generator, device=x.device)
     return dropout_op.dropout(x, key_data, p, impl, shared_over_first_dim, None, None)

@@ -15,46 +15,52 @@ from torch_pallas.kernels.indrnn import check_nonlinearity
 __all__ = ["Dropout", "IndRNN", "convert_dropout"]
 
 
-class Dropout(torch.nn.Module):
+class Dropout(torch.nn.Dropout):
     r"""During training, zeroes elements with probability ``p`` and scales the rest by :math:`1/(1-p)`.
 
-    A drop-in for :class:`torch.nn.Dropout` on XLA devices: each call draws a fresh key from
-    the XLA RNG (reproducible after ``torch_xla.manual_seed``), and the backward pass
-    regenerates the mask from that 8-byte key instead of storing it. In ``eval()`` mode
-    it returns its input. See :func:`torch_pallas.dropout`.
+    A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr)
+    on XLA devices: each call draws a fresh key from the XLA RNG (reproducible after
+    ``torch_xla.manual_seed``), and the backward pass regenerates the mask from that 8-byte
+    key instead of storing it. In ``eval()`` mode it returns its input, whatever its device
+    and dtype. See :func:`torch_pallas.dropout`.
 
     Args:
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
+        inplace (bool): write the result into the input and return it, as
+            :class:`torch.nn.Dropout` does. Default: ``False``.
         impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
 
     Shape:
-        - Input: any shape, float32, bfloat16 or float16, on an XLA device.
+        - Input: any shape; in training mode float32, bfloat16 or float16 on an XLA device.
         - Output: the input's shape and dtype.
 
     Raises:
+        TypeError: ``p`` is not a real number.
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, an unknown ``impl``, or
             ``impl="hardware"`` off TPU.
     """
 
-    def __init__(self, p: float = 0.5, *, impl=None):
-        super().__init__()
-        self.p = _checks.check_probability(p)
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None):
+        super().__init__(_checks.check_probability(p), inplace)
         _checks.resolve_impl(impl)
         self.impl = impl
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return dropout_fn(input, self.p, self.training, impl=self.impl)
+        if not self.training:
+            return input
+        output = dropout_fn(input, self.p, impl=self.impl)
+        return input.copy_(output) if self.inplace and output is not input else output
 
     def extra_repr(self) -> str:
-        return f"p={self.p}" + (f", impl={self.impl!r}" if self.impl is not None else "")
+        return super().extra_repr() + (f", impl={self.impl!r}" if self.impl is not None else "")
 
 
 def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
     """Replaces every :class:`torch.nn.Dropout` in ``model`` (nested too) with :class:`Dropout`.
 
-    Each replacement keeps the original's ``p`` and training mode. ``Dropout1d/2d/3d`` and
-    ``AlphaDropout`` (different semantics) are left alone, as are subclasses of
-    ``nn.Dropout``. ``inplace=True`` is dropped: the replacement never works in place.
+    Each replacement keeps the original's ``p``, ``inplace`` and training mode.
+    ``Dropout1d/2d/3d`` and ``AlphaDropout`` (different semantics) are left alone, as are
+    other subclasses of ``nn.Dropout``.
 
     Args:
         model (nn.Module): converted in place.
@@ -74,7 +80,7 @@ def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
 
 
 def _replacement(module: torch.nn.Dropout, impl) -> Dropout:
-    replacement = Dropout(module.p, impl=impl)
+    replacement = Dropout(module.p, module.inplace, impl=impl)
     replacement.train(module.training)
     return replacement
 
