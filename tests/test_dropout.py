@@ -212,3 +212,53 @@ def test_hardware_dropout_on_tpu():
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
     assert torch.equal(kept, x.grad.cpu() != 0), "backward regenerated a different mask"
     assert torch.equal(y.detach().cpu(), torch_pallas.dropout(x.detach(), p=p, seed=1, impl="hardware").cpu())
+
+
+def _seeded_dropout(x):
+    return torch_pallas.dropout(x, 0.5, seed=3)
+
+
+def test_torch_func_grad_vjp_and_jvp_use_the_forward_mask():
+    x = positive((8, 128))
+    masked_scale = _seeded_dropout(x) / x  # 2 where kept, 0 where dropped
+    grad = torch.func.grad(lambda x: _seeded_dropout(x).sum())(x)
+    _, vjp = torch.func.vjp(_seeded_dropout, x)
+    _, tangent = torch.func.jvp(_seeded_dropout, (x,), (torch.ones_like(x),))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        forward_ad = torch.autograd.forward_ad.unpack_dual(_seeded_dropout(dual)).tangent
+    for got in (grad, vjp(torch.ones_like(x))[0], tangent, forward_ad):
+        torch.testing.assert_close(got.cpu(), masked_scale.cpu(), rtol=0, atol=0)
+
+
+def test_torch_func_under_torch_compile():
+    x = positive((8, 128))
+    masked_scale = (_seeded_dropout(x) / x).cpu()
+    compiled_jvp = torch.compile(lambda x, t: torch.func.jvp(_seeded_dropout, (x,), (t,))[1], backend="openxla")
+    compiled_grad = torch.compile(torch.func.grad(lambda x: _seeded_dropout(x).sum()), backend="openxla")
+    torch.testing.assert_close(compiled_jvp(x, torch.ones_like(x)).cpu(), masked_scale, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_grad(x).cpu(), masked_scale, rtol=0, atol=0)
+
+
+def test_vmap_randomness():
+    samples = positive((3, 8, 128))
+    with_seed = torch.func.vmap(_seeded_dropout)(samples)
+    for sample, got in zip(samples, with_seed):  # a seed is one key: every sample gets its mask
+        torch.testing.assert_close(got.cpu(), _seeded_dropout(sample).cpu(), rtol=0, atol=0)
+    fresh = lambda x: torch_pallas.dropout(x, 0.5)  # noqa: E731
+    same = torch.func.vmap(fresh, randomness="same")(samples) != 0
+    different = torch.func.vmap(fresh, randomness="different")(samples) != 0
+    assert torch.equal(same[0].cpu(), same[1].cpu()) and torch.equal(same[0].cpu(), same[2].cpu())
+    assert not torch.equal(different[0].cpu(), different[1].cpu())
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.func.vmap(fresh)(samples)
+
+
+def test_vmap_of_shared_mask_and_per_sample_gradients():
+    sequences = positive((2, 5, 4, 128))
+    shared = lambda x: torch_pallas.dropout(x, 0.5, seed=9, shared_over_first_dim=True)  # noqa: E731
+    for sequence, got in zip(sequences, torch.func.vmap(shared)(sequences)):
+        torch.testing.assert_close(got.cpu(), shared(sequence).cpu(), rtol=0, atol=0)
+    per_sample = torch.func.vmap(torch.func.grad(lambda x: shared(x).sum()))(sequences)
+    torch.testing.assert_close(per_sample.cpu(), (torch.func.vmap(shared)(sequences) / sequences).cpu(),
+                               rtol=0, atol=0)

@@ -109,3 +109,20 @@ def _xla(*shape, dtype=torch.float32):
 def test_bad_input_raises(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_torch_func_grad_and_vjp_match_autograd_and_jvp_raises():
+    x, weight, h0, grad_output, _ = (t.float().to(torch_xla.device()) for t in random_case((5, 3, 130)))
+
+    def loss(x, weight):
+        return (torch_pallas.indrnn(x, weight, h0, nonlinearity="tanh")[0] * grad_output).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1))(x, weight)
+    _, vjp = torch.func.vjp(loss, x, weight)
+    leaves = [t.clone().requires_grad_() for t in (x, weight)]
+    loss(*leaves).backward()
+    for got in (grads, vjp(torch.ones((), device=x.device))):
+        for g, leaf in zip(got, leaves):
+            torch.testing.assert_close(g.cpu(), leaf.grad.cpu())
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: torch_pallas.indrnn(x, weight)[0], (x,), (x,))

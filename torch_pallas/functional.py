@@ -71,7 +71,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
         seeds.check_source(seed, generator)
         return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
     key_data = seeds.key_data(seed=seed, generator=generator, device=x.device)
-    return dropout_op.dropout(x, key_data, p, impl, shared_over_first_dim, None, None)
+    return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim)
 
 
 def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None, *, nonlinearity: str = "relu",
@@ -124,5 +124,5 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         _checks.check_float_tensor(h0, "h0")
         if h0.shape != (batch, features):
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
-    output, h_n = indrnn_op.indrnn(time_major.contiguous(), weight, h0, nonlinearity)
+    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, nonlinearity)
     return (output.transpose(0, 1) if batch_first else output), h_n

@@ -1,5 +1,8 @@
 """``torch_pallas::dropout``: mask from key data, applied in a Pallas kernel; the backward
-kernel regenerates the mask from the same 8-byte key instead of saving it."""
+kernel regenerates the mask from the same 8-byte key instead of saving it.
+
+:func:`apply` is the differentiable entry point: the op's autograd formula in the form
+``torch.func`` accepts, plus forward-mode AD and a batching rule."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from torch_pallas import bridge
+from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks
 
@@ -36,6 +40,7 @@ def _(x, key_data, *options):
 def _setup_context(ctx, inputs, output):
     _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks = inputs
     ctx.save_for_backward(key_data)  # 8 bytes: the mask is regenerated, not stored
+    ctx.save_for_forward(key_data)
 
 
 def _backward(ctx, grad_output):
@@ -45,3 +50,43 @@ def _backward(ctx, grad_output):
 
 
 dropout.register_autograd(_backward, setup_context=_setup_context)
+
+
+@dropout.register_vmap
+def _(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks):
+    x_dim, key_dim = in_dims[:2]
+    options = (p, impl)
+    samples = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+    if key_dim is not None:
+        # A key per sample (vmap's randomness="different"): each sample is the unbatched op
+        # with its own key, so vmap(f)(xs)[i] == f(xs[i]) with the i-th key.
+        keys = key_data.movedim(key_dim, 0)
+        return torch.stack([dropout(sample, key, *options, shared_over_first_dim, blocks, backward_blocks)
+                            for sample, key in zip(samples, keys)]), 0
+    # One key for the batch (randomness="same", or a seed): every sample gets the same mask,
+    # the unbatched op's, drawn once and shared over the flattened leading dims.
+    leading = 2 if shared_over_first_dim else 1
+    flat = samples.reshape(-1, *samples.shape[leading:])
+    return dropout(flat, key_data, *options, True, None, None).reshape(samples.shape), 0
+
+
+class _Dropout(torch.autograd.Function):
+    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
+
+    forward = staticmethod(dropout)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+    generate_vmap_rule = True  # vmaps the op, whose batching rule is above
+
+    @staticmethod
+    def jvp(ctx, grad_x, *_):
+        # Dropout is linear in x: the tangent goes through the same mask.
+        (key_data,) = ctx.saved_tensors
+        return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks)
+
+
+def apply(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool = False,
+          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """:func:`dropout`, differentiable under autograd, ``torch.func`` (grad, vjp, jvp,
+    vmap) and ``torch.compile``."""
+    return _autograd.call(_Dropout, dropout, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks)

@@ -1,14 +1,17 @@
 """``torch_pallas::indrnn`` and its backward: the Pallas recurrence as differentiable ops.
 
-Time-major throughout. The forward saves its outputs (not the pre-activations): the
+:func:`apply` is the differentiable entry point (autograd, ``torch.func.grad``/``vjp``,
+``torch.compile``). Time-major throughout. The forward saves its outputs (not the pre-activations): the
 backward kernel takes the activation's derivative from ``h_t``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torch_pallas import bridge
+from torch_pallas.ops import _autograd
 from torch_pallas.kernels import indrnn as indrnn_kernels
 
 
@@ -61,3 +64,24 @@ def _backward(ctx, grad_output, grad_h_n):
 
 
 indrnn.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _IndRNN(torch.autograd.Function):
+    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
+
+    forward = staticmethod(indrnn)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(once_differentiable(_backward))  # no kernel for a second derivative
+    generate_vmap_rule = True  # torch's per-sample loop over the op
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "torch_pallas.indrnn has no forward-mode AD (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use reverse mode: torch.func.grad, vjp or jacrev")
+
+
+def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`indrnn`, differentiable under autograd, ``torch.func``'s reverse-mode
+    transforms and ``torch.compile``."""
+    return _autograd.call(_IndRNN, indrnn, x, weight, h0, nonlinearity)
