@@ -27,6 +27,7 @@ def sequence(*shape, requires_grad=False):
 
 CASES = {
     "sample": (torch.ops.torch_pallas.sample.default, lambda: (key(), [20, 300], "uniform", torch.float32, 0.5, "threefry")),
+    "fold_in": (torch.ops.torch_pallas.fold_in.default, lambda: (key(), 3)),
     "dropout": (torch.ops.torch_pallas.dropout.default,
                 lambda: (sequence(20, 300, requires_grad=True), key(), 0.3, "threefry", False, None, [8, 128])),
     "indrnn": (torch.ops.torch_pallas.indrnn.default,

@@ -32,6 +32,7 @@ def test_generator_draws_reproducibly():
 
 
 def test_device_rng_is_fresh_reproducible_and_compiles_once():
+    torch_xla.sync()  # nothing pending from earlier tests joins the first graph
     torch_xla.manual_seed(11)
     first = [seeds.key_data() for _ in range(3)]
     torch_xla.sync()
@@ -63,3 +64,32 @@ def test_bad_generator_and_both_sources_raise():
         seeds.key_data(seed=1, generator=torch.Generator())
     with pytest.raises(ValueError, match="device"):
         seeds.key_data(seed=1, device="cpu")
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_key_scope_draws_jax_fold_in_of_its_key(seed):
+    import jax
+    from reference import jax_key
+
+    def expected(i):
+        return np.asarray(jax.random.key_data(jax.random.fold_in(jax_key(seed), np.uint32(i)))).view(np.int32)
+
+    with seeds.key_scope(seeds.key_data(seed=seed)):
+        draws = [seeds.key_data().cpu().numpy() for _ in range(3)]
+        explicit = seeds.key_data(seed=seed).cpu().numpy()  # a seed is not a draw from the scope
+        with seeds.key_scope(seeds.key_data(seed=7)):
+            inner = seeds.key_data().cpu().numpy()
+        after_inner = seeds.key_data().cpu().numpy()
+    for i, draw in enumerate(draws + [after_inner]):
+        np.testing.assert_array_equal(draw, expected(i))
+    np.testing.assert_array_equal(explicit, reference_key_data(seed))
+    assert not np.array_equal(inner, expected(3))
+
+
+def test_key_scope_rejects_what_is_not_key_data():
+    with pytest.raises(TypeError, match="key_data must be an int32 tensor of shape"):
+        with seeds.key_scope(torch.zeros(2)):
+            pass
+    with pytest.raises(ValueError, match="key_data is on cpu"):
+        with seeds.key_scope(torch.zeros(2, dtype=torch.int32)):
+            pass

@@ -8,12 +8,15 @@ uint32), because XLA graphs compiled from torch carry no uint32.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
+from typing import Iterator
 
 import torch
 
 from torch_pallas import bridge
+from torch_pallas.ops.fold_in import fold_in
 
 SEED_BOUND = 2**64
 
@@ -71,12 +74,53 @@ def _random_words(generator=None, device=None) -> torch.Tensor:
     return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
 
 
+class _KeyScope:
+    def __init__(self, key_data: torch.Tensor):
+        self.key_data = key_data
+        self.draws = 0
+
+    def next_key(self) -> torch.Tensor:
+        key = fold_in(self.key_data, self.draws)
+        self.draws += 1
+        return key
+
+
+_key_scopes: list[_KeyScope] = []
+
+
+@contextlib.contextmanager
+def key_scope(key_data: torch.Tensor) -> Iterator[None]:
+    """Within it, the ``i``-th key drawn without a seed or generator (counting from 0) is
+    ``jax.random.fold_in(key, i)`` of ``key_data``'s key instead of a draw from the XLA RNG.
+
+    What runs inside is then a pure function of ``key_data``: running it again with the
+    same key gives the same noise, whatever the RNG did in between (this is how
+    :func:`torch_pallas.checkpoint` makes a recomputation draw its forward's masks, as
+    Flax folds module paths into keys). Scopes nest; the innermost one counts.
+
+    Args:
+        key_data (Tensor): int32 of shape (2,) on an XLA device, as :func:`key_data` returns.
+
+    Raises:
+        TypeError, ValueError: ``key_data`` is not an int32 (2,) XLA tensor.
+    """
+    if not isinstance(key_data, torch.Tensor) or key_data.dtype != torch.int32 or key_data.shape != (2,):
+        raise TypeError(f"key_data must be an int32 tensor of shape (2,), got {key_data!r:.80}")
+    bridge.check_on_xla(key_data, "key_data")
+    _key_scopes.append(_KeyScope(key_data))
+    try:
+        yield
+    finally:
+        _key_scopes.pop()
+
+
 def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
     """Key data (int32, shape (2,), on the XLA ``device``) for one random op.
 
     * ``seed``: an int in [0, 2**64); the same seed always gives the same key.
     * ``generator``: a CPU ``torch.Generator``; two 32-bit words are drawn from it.
-    * neither: two words drawn on the XLA device from its RNG (which
+    * neither: inside a :func:`key_scope`, the scope's next derived key (moved to
+      ``device``); otherwise two words drawn on the XLA device from its RNG (which
       ``torch_xla.manual_seed`` seeds), with no host sync and no new graph per call.
 
     Raises:
@@ -90,4 +134,6 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
         return key_data_from_seed(seed, device)
     if generator is not None:
         return _random_words(generator=generator).to(device)
+    if _key_scopes:
+        return _key_scopes[-1].next_key().to(device)
     return _random_words(device=device)

@@ -87,6 +87,14 @@ def threefry_bits(k0, k1, flat_index: jax.Array) -> jax.Array:
     return y0 ^ y1
 
 
+def fold_in(key_data: jax.Array, data: int) -> jax.Array:
+    """int32 (2,) data of ``jax.random.fold_in(key, data)`` for threefry key data: the two
+    threefry output words of the counter ``(0, data)``."""
+    words = lax.bitcast_convert_type(key_data, jnp.uint32)
+    y0, y1 = threefry2x32(words[0], words[1], np.uint32(0), np.uint32(data))
+    return lax.bitcast_convert_type(jnp.stack([y0, y1]), jnp.int32)
+
+
 def block_flat_index(chunk_shape: tuple[int, int], row0, col0, num_cols: int) -> jax.Array:
     """uint32 global row-major indices of a (rows, cols) block at (row0, col0)."""
     rows = lax.broadcasted_iota(jnp.uint32, chunk_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
