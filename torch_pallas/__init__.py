@@ -10,6 +10,7 @@ from torch_pallas import nn  # noqa: F401
 from torch_pallas.checkpointing import checkpoint
 from torch_pallas.functional import dropout, indrnn
 from torch_pallas.nn import convert_dropout
+from torch_pallas.routing import route_dropout
 
-__all__ = ["checkpoint", "dropout", "indrnn", "convert_dropout", "nn", "random", "seeds"]
+__all__ = ["checkpoint", "dropout", "indrnn", "convert_dropout", "route_dropout", "nn", "random", "seeds"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import warnings
@@ -13,6 +14,8 @@ from torch_pallas.functional import dropout as dropout_fn, indrnn
 from torch_pallas.kernels.indrnn import check_nonlinearity
 
 __all__ = ["Dropout", "IndRNN", "convert_dropout"]
+
+_logger = logging.getLogger("torch_pallas")
 
 
 class Dropout(torch.nn.Dropout):
@@ -60,7 +63,10 @@ def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
 
     Each replacement keeps the original's ``p``, ``inplace`` and training mode.
     ``Dropout1d/2d/3d`` and ``AlphaDropout`` (different semantics) are left alone, as are
-    other subclasses of ``nn.Dropout``.
+    other subclasses of ``nn.Dropout``. Dropout that is not a module (``F.dropout`` calls
+    in ``forward``, as in OPT or Llama) is out of this function's reach: run the model
+    inside :func:`torch_pallas.route_dropout` to reach it. The ``torch_pallas`` logger
+    says what was converted, and a warning says so when nothing was.
 
     Args:
         model (nn.Module): converted in place.
@@ -72,10 +78,16 @@ def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
     _checks.resolve_impl(impl)
     if type(model) is torch.nn.Dropout:
         return _replacement(model, impl)
-    for parent in list(model.modules()):
+    converted = []
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Dropout:
                 setattr(parent, name, _replacement(child, impl))
+                converted.append(f"{parent_name}.{name}" if parent_name else name)
+    _logger.info("convert_dropout: converted %d nn.Dropout modules: %s", len(converted), ", ".join(converted))
+    if not converted:
+        warnings.warn(f"convert_dropout found no nn.Dropout module in {type(model).__name__}; if its forward "
+                      "calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
     return model
 
 

@@ -1,0 +1,88 @@
+"""route_dropout: functional dropout calls reach torch_pallas, eager and compiled."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_pallas
+
+
+class FunctionalDropouts(torch.nn.Module):
+    """Dropout as OPT and Llama write it (functional calls), plus one module."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.module_dropout = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        hidden = F.dropout(F.relu(self.inner(x)), p=0.1, training=self.training)
+        hidden = torch.dropout(hidden, 0.1, self.training)
+        hidden = self.module_dropout(hidden)
+        return self.outer(hidden)
+
+
+def model_and_input():
+    torch.manual_seed(0)
+    model = FunctionalDropouts().to(torch_xla.device())
+    return model, torch.randn(32, 64).to(torch_xla.device())
+
+
+def bernoullis(tensor):
+    return torch_xla._XLAC._get_xla_tensors_text([tensor]).count("bernoulli")
+
+
+def test_every_dropout_is_routed_and_torch_has_none_left():
+    model, x = model_and_input()
+    assert bernoullis(model(x)) == 3
+    with torch_pallas.route_dropout():
+        routed = model(x)
+    assert bernoullis(routed) == 0
+
+
+def test_routed_functional_dropout_is_torch_pallas_dropout():
+    x = (torch.rand(16, 256) + 0.5).to(torch_xla.device())
+    for call in (lambda: F.dropout(x, 0.3), lambda: torch.dropout(x, 0.3, True), lambda: torch.nn.Dropout(0.3)(x)):
+        torch_xla.manual_seed(2)
+        with torch_pallas.route_dropout():
+            got = call()
+        torch_xla.manual_seed(2)
+        assert torch.equal(got.cpu(), torch_pallas.dropout(x, 0.3).cpu())
+    with torch_pallas.route_dropout():
+        assert F.dropout(x, 0.3, training=False) is x
+        cpu = torch.ones(4)
+        assert torch.equal(F.dropout(cpu, 0.0), cpu)  # other devices go to torch
+
+
+def test_inplace_functional_dropout_writes_into_its_input():
+    x = (torch.rand(16, 256) + 0.5).to(torch_xla.device())
+    with torch_pallas.route_dropout():
+        out = F.dropout(x, 0.5, inplace=True)
+    assert out is x and (x == 0).any()
+
+
+def test_compiled_model_under_routing_compiles_once_and_warns_for_sdpa_dropout():
+    model, x = model_and_input()
+    compiled = torch.compile(model, backend="openxla")
+    counts = []
+    with torch_pallas.route_dropout():
+        for _ in range(4):
+            compiled(x).sum().backward()
+            torch_xla.sync()
+            counts.append(met.metric_data("CompileTime")[0])
+        assert counts[1] == counts[-1], counts
+        q = x.reshape(4, 8, 8, 8)
+        with pytest.warns(UserWarning, match="dropout_p .* not routed"):
+            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_convert_dropout_warns_when_it_finds_no_module():
+    with pytest.warns(UserWarning, match="route_dropout"):
+        torch_pallas.convert_dropout(torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_pallas.convert_dropout(FunctionalDropouts())

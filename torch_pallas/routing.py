@@ -1,0 +1,67 @@
+"""Routes torch's functional dropout to torch_pallas inside a scope, so dropouts that are
+not ``nn.Dropout`` modules (``F.dropout`` calls in a model's forward) are reached too."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from torch_pallas import _checks
+from torch_pallas.functional import dropout
+
+__all__ = ["route_dropout"]
+
+_DROPOUTS = {F.dropout: inspect.signature(F.dropout), torch.dropout: inspect.signature(lambda input, p, train: None)}
+_SDPA_WARNING = ("torch_pallas.route_dropout: scaled_dot_product_attention's dropout_p is applied inside "
+                 "torch's attention kernel with torch's RNG and is not routed to torch_pallas")
+
+
+class route_dropout(TorchFunctionMode):
+    r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
+    ``torch.nn.Dropout`` module) on XLA float tensors run as :func:`torch_pallas.dropout`.
+
+    A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
+    ``torch.compile(backend="openxla")`` (dynamo traces the mode), entered around the
+    compiled call or inside the compiled function. Calls on other devices or dtypes go to
+    torch unchanged. Keys come from the XLA RNG (or the enclosing
+    :func:`torch_pallas.seeds.key_scope`, as inside :func:`torch_pallas.checkpoint`).
+    Dropout inside ``F.scaled_dot_product_attention(..., dropout_p > 0)`` cannot be
+    routed: a warning says so (once per call site).
+
+    Args:
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
+
+    Raises:
+        ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
+
+    Example::
+
+        >>> with torch_pallas.route_dropout():
+        ...     loss = model(inputs).loss   # every F.dropout in the model is torch_pallas's
+        >>> loss.backward()                  # masks regenerated from their keys
+    """
+
+    def __init__(self, *, impl=None):
+        super().__init__()
+        _checks.resolve_impl(impl)
+        self.impl = impl
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        signature = _DROPOUTS.get(func)
+        if signature is not None:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            input, p, training = call.args[:3]
+            if input.device.type == "xla" and input.is_floating_point():
+                output = dropout(input, p, training, impl=self.impl)
+                return input.copy_(output) if call.arguments.get("inplace") and output is not input else output
+        elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
+            # Python's default warning filter shows it once per call site; no state kept
+            # here, so that dynamo has nothing to guard on and recompile for.
+            warnings.warn(_SDPA_WARNING, stacklevel=2)
+        return func(*args, **kwargs)
