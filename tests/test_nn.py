@@ -245,6 +245,13 @@ def test_indrnn_module_rejects_bad_input():
         module(xla(torch.zeros(5)))
     with pytest.raises(ValueError, match=r"hx must have shape \(1, 2, 8\)"):
         module(xla(torch.zeros(5, 2, 4)), xla(torch.zeros(2, 8)))
+    with pytest.raises(ValueError, match="input is on cpu but the module's parameters are on xla"):
+        module(torch.zeros(5, 2, 4))
+    with pytest.raises(ValueError, match="input is on xla:0 but the module's parameters are on cpu"):
+        IndRNN(4, 8)(xla(torch.zeros(5, 2, 4)))
+    packed = torch.nn.utils.rnn.pack_sequence([torch.zeros(3, 4), torch.zeros(2, 4)])
+    with pytest.raises(TypeError, match="PackedSequence"):
+        module(packed)
 
 
 class SequenceRegressor(torch.nn.Module):

@@ -221,8 +221,16 @@ class IndRNN(torch.nn.Module):
         return optimizer.register_step_post_hook(lambda *_: self.clip_recurrent_weights())
 
     def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None):
+        if isinstance(input, torch.nn.utils.rnn.PackedSequence):
+            raise TypeError("IndRNN does not take a PackedSequence yet: pad it "
+                            "(torch.nn.utils.rnn.pad_packed_sequence) and pass the padded tensor")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+        parameter_device = self.weight_ih_l0.device
+        for name, tensor in (("input", input), ("hx", hx)):
+            if tensor is not None and tensor.device != parameter_device:
+                raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on "
+                                 f"{parameter_device}: move both to the same XLA device (module.to(device))")
         batched = input.dim() == 3
         if input.dim() not in (2, 3):
             raise ValueError(f"input must be 2-D (unbatched) or 3-D, got shape {tuple(input.shape)}")
