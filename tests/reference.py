@@ -58,3 +58,22 @@ def indrnn_reference_gradients(output, weight, h0, grad_output, grad_h_n, nonlin
         grad_weight += (grad_pre_activation * (output[t - 1] if t > 0 else h0)).sum(axis=0)
         grad_from_future = weight * grad_pre_activation
     return grad_x, grad_weight, grad_from_future
+
+
+def indrnn_reference_with_lengths(x, weight, h0, lengths, grad_output, grad_h_n, nonlinearity):
+    """``(output, h_n, grad_x, grad_weight, grad_h0)`` in float64 for rows that stop at their
+    own lengths: each row is run alone over its first ``lengths[b]`` steps (as
+    ``nn.RNN`` runs a packed sequence), outputs and input gradients past it are 0."""
+    T, B, F = np.shape(x)
+    results = [np.zeros((T, B, F)), np.zeros((B, F)), np.zeros((T, B, F)), np.zeros(F), np.zeros((B, F))]
+    for b in range(B):
+        steps = int(np.clip(lengths[b], 0, T))
+        row = slice(b, b + 1)
+        output, h_n = indrnn_reference(np.asarray(x)[:steps, row], weight, np.asarray(h0)[row], nonlinearity)
+        grad_x, grad_weight, grad_h0 = indrnn_reference_gradients(
+            output, weight, np.asarray(h0)[row], np.asarray(grad_output)[:steps, row], np.asarray(grad_h_n)[row],
+            nonlinearity)
+        results[0][:steps, row], results[1][row] = output, h_n
+        results[2][:steps, row], results[4][row] = grad_x, grad_h0
+        results[3] += grad_weight
+    return tuple(results)

@@ -262,3 +262,56 @@ def test_vmap_of_shared_mask_and_per_sample_gradients():
     per_sample = torch.func.vmap(torch.func.grad(lambda x: shared(x).sum()))(sequences)
     torch.testing.assert_close(per_sample.cpu(), (torch.func.vmap(shared)(sequences) / sequences).cpu(),
                                rtol=0, atol=0)
+
+
+def test_inplace_writes_the_mask_into_x_as_torch_does():
+    x = positive((16, 256))
+    expected = torch_pallas.dropout(x, 0.5, seed=4).cpu()
+    out = torch_pallas.dropout(x, 0.5, True, True, seed=4)
+    assert out is x and torch.equal(x.cpu(), expected)
+
+
+CHANNEL_CASES = [  # function, input shape, leading dims that get one mask element each (torch's rules)
+    (torch_pallas.dropout1d, (4, 6, 33), 2), (torch_pallas.dropout1d, (6, 33), 1),
+    (torch_pallas.dropout2d, (4, 6, 5, 7), 2),
+    (torch_pallas.dropout3d, (2, 6, 3, 4, 5), 2), (torch_pallas.dropout3d, (6, 3, 4, 5), 1),
+]
+
+
+@pytest.mark.parametrize("function,shape,leading", CHANNEL_CASES)
+def test_channel_dropout_mask_is_jax_bernoulli_over_channels_and_gradient_uses_it(function, shape, leading):
+    x = positive(shape).requires_grad_()
+    y = function(x, 0.3, seed=SEEDS[1])
+    y.sum().backward()
+    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.7, shape[:leading]))
+    scale = np.where(keep, np.float32(1) / np.float32(0.7), 0).astype(np.float32)
+    scale = np.broadcast_to(scale.reshape(shape[:leading] + (1,) * (len(shape) - leading)), shape)
+    np.testing.assert_array_equal(x.grad.cpu().numpy(), scale)
+    np.testing.assert_allclose(y.detach().cpu().numpy(), x.detach().cpu().numpy() * scale, rtol=2e-7)
+
+
+def test_channel_dropout_follows_torch_for_odd_ranks():
+    with pytest.warns(UserWarning, match="3D input to dropout2d"):  # torch's legacy (N, C, L) reading
+        y = torch_pallas.dropout2d(positive((4, 6, 33)), 0.5, seed=1)
+    assert torch.equal(y.cpu(), torch_pallas.dropout1d(positive((4, 6, 33)), 0.5, seed=1).cpu())
+    with pytest.warns(UserWarning, match="Received a 3-D input to dropout3d"):
+        torch_pallas.dropout3d(positive((6, 5, 7)), 0.5)
+    for bad in ((33,), (2, 3, 4, 5)):
+        with pytest.raises(ValueError, match="dropout1d"):
+            torch_pallas.dropout1d(positive(bad), 0.5)
+    x = positive((4, 6, 5, 7))
+    assert torch_pallas.dropout2d(x, 0.5, training=False) is x
+    assert torch.equal(torch_pallas.dropout2d(x, 1.0).cpu(), torch.zeros(4, 6, 5, 7))
+    out = torch_pallas.dropout2d(x, 0.5, True, True, seed=2)
+    assert out is x and torch.equal(x.cpu(), torch_pallas.dropout2d(positive((4, 6, 5, 7)), 0.5, seed=2).cpu())
+
+
+def test_channel_dropout_under_vmap_and_jvp():
+    samples = positive((3, 6, 35))
+    fresh = lambda x: torch_pallas.dropout1d(x, 0.5)  # noqa: E731  (an unbatched (C, L) per sample)
+    different = torch.func.vmap(fresh, randomness="different")(samples) != 0
+    same = torch.func.vmap(fresh, randomness="same")(samples) != 0
+    assert torch.equal(same[0].cpu(), same[1].cpu()) and not torch.equal(different[0].cpu(), different[1].cpu())
+    seeded = lambda x: torch_pallas.dropout1d(x, 0.5, seed=3)  # noqa: E731
+    _, tangent = torch.func.jvp(seeded, (samples,), (torch.ones_like(samples),))
+    torch.testing.assert_close(tangent.cpu(), (seeded(samples) / samples).cpu(), rtol=0, atol=0)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
 
 import torch_pallas
-from reference import indrnn_reference, indrnn_reference_gradients
+from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths
 
 
 def relative_error(got, expected):
@@ -83,6 +84,37 @@ def test_bfloat16_input_keeps_dtype_and_tracks_reference():
     assert relative_error(output, reference_output) <= 2e-2
 
 
+@pytest.mark.parametrize("nonlinearity", ["relu", "tanh"])
+def test_lengths_match_float64_loop_per_sequence(nonlinearity):
+    x, weight, h0, grad_output, grad_h_n = random_case((37, 3, 200), weight_range=(-1.0, 1.0))
+    lengths = [37, 0, 12]
+    expected = indrnn_reference_with_lengths(x, weight, h0, lengths, grad_output, grad_h_n, nonlinearity)
+    device = torch_xla.device()
+    ours = [t.float().to(device).requires_grad_() for t in (x, weight, h0)]
+    output, h_n = torch_pallas.indrnn(*ours, nonlinearity=nonlinearity, lengths=lengths)
+    ((output * grad_output.float().to(device)).sum() + (h_n * grad_h_n.float().to(device)).sum()).backward()
+    for got, wanted, rtol in zip((output, h_n, *(t.grad for t in ours)),
+                                 (expected[0], expected[1], expected[2], expected[3], expected[4]),
+                                 (1e-5, 1e-5, 1e-4, 1e-4, 1e-4)):
+        assert relative_error(got, wanted) <= rtol
+    assert not output.detach().cpu()[:, 1].any() and not output.detach().cpu()[12:, 2].any()
+
+
+def test_new_lengths_reuse_the_compiled_kernels():
+    device = torch_xla.device()
+    x, weight = torch.randn(9, 4, 128).to(device), torch.rand(128).to(device)
+    torch_xla.sync()  # what earlier tests left pending is not part of the graphs counted below
+    outputs = []
+    for lengths in ([9, 1, 4, 0], [2, 9, 9, 3], torch.tensor([5, 5, 5, 5])):
+        output, h_n = torch_pallas.indrnn(x, weight, lengths=lengths)
+        outputs.append(output)
+        torch_xla.sync()
+        if len(outputs) == 1:
+            met.clear_all()
+    assert met.metric_data("CompileTime") is None, "new lengths compiled a new graph"
+    torch.testing.assert_close(outputs[2].cpu()[:5], torch_pallas.indrnn(x[:5], weight)[0].cpu(), rtol=0, atol=0)
+
+
 def test_empty_sequence_returns_h0():
     device = torch_xla.device()
     h0 = torch.randn(2, 128).to(device)
@@ -105,6 +137,11 @@ def _xla(*shape, dtype=torch.float32):
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8, dtype=torch.int64)), TypeError, "weight must be float32"),
     (lambda: torch_pallas.indrnn(torch.zeros(4, 2, 8), _xla(8)), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
     (lambda: torch_pallas.indrnn([[[0.0]]], _xla(1)), TypeError, "x must be a torch.Tensor"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4]), ValueError, r"lengths must have shape \(2,\)"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4, 5]), ValueError, r"lengths must be in \[0, 4\]"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[-1, 2]), ValueError, r"lengths must be in"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[1.5, 2.0]), TypeError, "lengths must hold integers"),
+    (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths="ab"), TypeError, "lengths must be a tensor"),
 ])
 def test_bad_input_raises(call, error, match):
     with pytest.raises(error, match=match):

@@ -47,6 +47,22 @@ def test_inplace_dropout_writes_into_its_input_and_keeps_its_gradient():
     torch.testing.assert_close(base.grad.cpu(), (out.detach().cpu() != 0).float() * 2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("ours,theirs", [(torch_pallas.nn.Dropout1d, torch.nn.Dropout1d),
+                                         (torch_pallas.nn.Dropout2d, torch.nn.Dropout2d),
+                                         (torch_pallas.nn.Dropout3d, torch.nn.Dropout3d)])
+def test_channel_dropout_modules_are_torch_modules_with_torch_signatures(ours, theirs):
+    module = ours(0.3, True)
+    assert isinstance(module, theirs) and repr(module) == repr(theirs(0.3, True))
+    assert ours().p == 0.5 and not ours().inplace and "impl='threefry'" in repr(ours(impl="threefry"))
+    spatial_dims = int(theirs.__name__[-2])
+    x = xla(torch.rand((2, 8) + (4,) * spatial_dims) + 0.5)
+    torch_xla.manual_seed(1)
+    got = ours(0.5)(x)
+    torch_xla.manual_seed(1)
+    assert torch.equal(got.cpu(), getattr(torch_pallas, theirs.__name__.lower())(x, 0.5).cpu())
+    assert ours(0.5).eval()(x) is x
+
+
 def test_eval_is_the_identity_on_any_device_and_dtype():
     module = Dropout(0.5).eval()
     for tensor in (torch.ones(3), torch.arange(4), xla(torch.arange(4))):
@@ -66,7 +82,7 @@ def test_convert_dropout_replaces_nested_modules_in_place():
     assert type(model[1]) is Dropout and model[1].p == 0.2
     assert type(model[2][0]) is Dropout and model[2][0].p == 0.1 and not model[2][0].training
     assert model[2][0].inplace and not model[1].inplace
-    assert type(model[2][1]) is torch.nn.Dropout2d
+    assert type(model[2][1]) is torch_pallas.nn.Dropout2d and model[2][1].p == 0.3
     assert type(model[3]["inner"]) is Dropout and model[3]["inner"].p == 0.4
     assert type(convert_dropout(torch.nn.Dropout(0.3))) is Dropout
 
@@ -249,9 +265,54 @@ def test_indrnn_module_rejects_bad_input():
         module(torch.zeros(5, 2, 4))
     with pytest.raises(ValueError, match="input is on xla:0 but the module's parameters are on cpu"):
         IndRNN(4, 8)(xla(torch.zeros(5, 2, 4)))
-    packed = torch.nn.utils.rnn.pack_sequence([torch.zeros(3, 4), torch.zeros(2, 4)])
-    with pytest.raises(TypeError, match="PackedSequence"):
-        module(packed)
+    with pytest.raises(TypeError, match="a torch.Tensor or a PackedSequence"):
+        module([torch.zeros(3, 4)])
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_layers=2, bidirectional=True, nonlinearity="tanh")],
+                         ids=["one layer", "two bidirectional layers"])
+def test_indrnn_module_on_a_packed_batch_equals_each_sequence_run_alone(options):
+    """As nn.RNN: each sequence stops at its own length, h_n is its last state, the reverse
+    direction starts at its last step, and gradients reach only its own steps."""
+    torch.manual_seed(0)
+    module = IndRNN(3, 130, **options).to(torch_xla.device())
+    sequences = [torch.randn(length, 3) for length in (5, 2, 7, 2)]
+    hx = torch.randn(module.num_layers * module.num_directions, 4, 130)
+    leaves = [sequence.clone().requires_grad_() for sequence in sequences]
+    packed = torch.nn.utils.rnn.pack_sequence(leaves, enforce_sorted=False).to(torch_xla.device())
+    output, h_n = module(packed, xla(hx))
+    assert isinstance(output, torch.nn.utils.rnn.PackedSequence)
+    assert torch.equal(output.batch_sizes, packed.batch_sizes)
+    (output.data.sum() + h_n.sum()).backward()
+    packed_weight_grad = module.weight_hh_l0.grad.cpu().clone()
+    padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(output)
+    assert lengths.tolist() == [5, 2, 7, 2] and not padded[2:, 1].cpu().any()  # zero padding
+    module.zero_grad()
+    for b, sequence in enumerate(sequences):
+        alone = xla(sequence).requires_grad_()
+        expected, expected_h_n = module(alone.unsqueeze(1), xla(hx[:, b:b + 1].contiguous()))
+        (expected.sum() + expected_h_n.sum()).backward()
+        torch.testing.assert_close(padded[:len(sequence), b].cpu(), expected[:, 0].cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h_n[:, b].cpu(), expected_h_n[:, 0].cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(leaves[b].grad, alone.grad.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed_weight_grad, module.weight_hh_l0.grad.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_padded_sequence_is_torchs_on_xla_tensors():
+    padded = torch.randn(7, 4, 3, requires_grad=True)
+    for lengths, enforce_sorted, batch_first in (([7, 5, 2, 2], True, False), ([2, 7, 5, 2], False, True)):
+        source = padded.transpose(0, 1) if batch_first else padded
+        expected = torch.nn.utils.rnn.pack_padded_sequence(source, lengths, batch_first, enforce_sorted)
+        got = torch_pallas.packing.pack_padded_sequence(xla(source), lengths, batch_first, enforce_sorted)
+        assert torch.equal(got.data.cpu(), expected.data) and torch.equal(got.batch_sizes, expected.batch_sizes)
+        assert (got.sorted_indices is None) == enforce_sorted
+        cotangent = torch.randn_like(expected.data)
+        torch.testing.assert_close(torch.autograd.grad(got.data, padded, xla(cotangent))[0],
+                                   torch.autograd.grad(expected.data, padded, cotangent)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="decreasing"):
+        torch_pallas.packing.pack_padded_sequence(xla(padded), [2, 7, 5, 2])
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, 7\]"):
+        torch_pallas.packing.pack_padded_sequence(xla(padded), [8, 7, 5, 2])
 
 
 class SequenceRegressor(torch.nn.Module):

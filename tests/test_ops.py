@@ -32,10 +32,14 @@ CASES = {
                 lambda: (sequence(20, 300, requires_grad=True), key(), 0.3, "threefry", False, None, [8, 128])),
     "indrnn": (torch.ops.torch_pallas.indrnn.default,
                lambda: (sequence(6, 3, 130, requires_grad=True), xla(torch.rand(130)).requires_grad_(),
-                        sequence(3, 130, requires_grad=True), "tanh")),
+                        sequence(3, 130, requires_grad=True), None, "tanh")),
+    "indrnn_with_lengths": (torch.ops.torch_pallas.indrnn.default,
+                            lambda: (sequence(6, 3, 130, requires_grad=True), xla(torch.rand(130)).requires_grad_(),
+                                     sequence(3, 130, requires_grad=True), xla(torch.tensor([6, 0, 2], dtype=torch.int32)),
+                                     "relu")),
     "indrnn_backward": (torch.ops.torch_pallas.indrnn_backward.default,
                         lambda: (sequence(6, 3, 130), sequence(3, 130), sequence(6, 3, 130).tanh(),
-                                 xla(torch.rand(130)), sequence(3, 130), "tanh")),
+                                 xla(torch.rand(130)), sequence(3, 130), None, "tanh")),
 }
 
 

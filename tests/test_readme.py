@@ -15,4 +15,5 @@ def test_readme_tour_runs():
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
     assert namespace["output"].shape == (100, 8, 512) and namespace["h_n"].shape == (4, 8, 256)
+    assert namespace["packed_h_n"].shape == (4, 3, 256)
     assert namespace["b"].dtype == torch.bool and namespace["z"].dtype == torch.bfloat16

@@ -58,6 +58,18 @@ def test_routed_functional_dropout_is_torch_pallas_dropout():
         assert torch.equal(F.dropout(cpu, 0.0), cpu)  # other devices go to torch
 
 
+def test_routed_channel_dropout_is_torch_pallas_channel_dropout():
+    x = (torch.rand(4, 6, 5, 7) + 0.5).to(torch_xla.device())
+    for call, ours in ((lambda: F.dropout2d(x, 0.3), torch_pallas.dropout2d),
+                       (lambda: torch.nn.Dropout1d(0.3)(x[:, :, 0]), lambda x, p: torch_pallas.dropout1d(x[:, :, 0], p)),
+                       (lambda: F.dropout3d(x, p=0.3), torch_pallas.dropout3d)):
+        torch_xla.manual_seed(2)
+        with torch_pallas.route_dropout():
+            got = call()
+        torch_xla.manual_seed(2)
+        assert bernoullis(got) == 0 and torch.equal(got.cpu(), ours(x, 0.3).cpu())
+
+
 def test_inplace_functional_dropout_writes_into_its_input():
     x = (torch.rand(16, 256) + 0.5).to(torch_xla.device())
     with torch_pallas.route_dropout():

@@ -5,12 +5,13 @@ imported before anything that imports JAX.
 """
 
 from torch_pallas import bridge  # noqa: F401  (first: see above)
-from torch_pallas import random, seeds  # noqa: F401
+from torch_pallas import packing, random, seeds  # noqa: F401
 from torch_pallas import nn  # noqa: F401
 from torch_pallas.checkpointing import checkpoint
-from torch_pallas.functional import dropout, indrnn
+from torch_pallas.functional import dropout, dropout1d, dropout2d, dropout3d, indrnn
 from torch_pallas.nn import convert_dropout
 from torch_pallas.routing import route_dropout
 
-__all__ = ["checkpoint", "dropout", "indrnn", "convert_dropout", "route_dropout", "nn", "random", "seeds"]
+__all__ = ["checkpoint", "dropout", "dropout1d", "dropout2d", "dropout3d", "indrnn", "convert_dropout",
+           "route_dropout", "nn", "packing", "random", "seeds"]
 __version__ = "0.1.0"

@@ -66,3 +66,20 @@ def resolve_impl(impl) -> str:
 def jax_dtype_name(dtype: torch.dtype) -> str:
     """The JAX/numpy name of a torch dtype, as static configuration for a kernel."""
     return str(dtype).removeprefix("torch.")
+
+
+def check_lengths(lengths, device: torch.device, steps: int, batch: int) -> torch.Tensor:
+    """Per-sequence lengths as the kernels take them: int32 ``(B,)`` on ``device``, values in
+    ``[0, steps]`` (checked where they are on the CPU; on an XLA device a check would sync)."""
+    if not isinstance(lengths, torch.Tensor):
+        try:
+            lengths = torch.tensor(lengths)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"lengths must be a tensor or a list of ints, got {type(lengths).__name__}") from error
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must hold integers, got {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must have shape ({batch},), one per sequence, got {tuple(lengths.shape)}")
+    if lengths.device.type == "cpu" and batch and not (0 <= int(lengths.min()) and int(lengths.max()) <= steps):
+        raise ValueError(f"lengths must be in [0, {steps}] (the padded length), got {lengths.tolist()}")
+    return lengths.to(device=device, dtype=torch.int32)

@@ -1,6 +1,9 @@
-"""The public differentiable functions: :func:`dropout` and :func:`indrnn`."""
+"""The public differentiable functions: :func:`dropout`, its channel variants :func:`dropout1d`,
+:func:`dropout2d`, :func:`dropout3d`, and :func:`indrnn`."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -8,11 +11,11 @@ from torch_pallas import _checks, seeds
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.ops import dropout as dropout_op, indrnn as indrnn_op
 
-__all__ = ["dropout", "indrnn"]
+__all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
 
 
-def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None, generator=None, impl=None,
-            shared_over_first_dim: bool = False) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
+            generator=None, impl=None, shared_over_first_dim: bool = False) -> torch.Tensor:
     r"""Randomly zeroes elements of ``x`` with probability ``p`` and scales the rest by :math:`1/(1-p)`.
 
     Like :func:`torch.nn.functional.dropout`, but the mask comes from a PRNG key and is
@@ -29,6 +32,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
             returns ``x``; ``p == 1`` returns zeros (with zero gradient).
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``, for
             any device and dtype (the other arguments are checked either way).
+        inplace (bool): write the result into ``x`` and return ``x``, as
+            :func:`torch.nn.functional.dropout` does (the gradient still flows through the
+            mask). Default: ``False``.
         seed (int, optional): in :math:`[0, 2^{64})`; the same seed gives the same mask.
         generator (torch.Generator, optional): a CPU generator to draw the key from.
             Without ``seed`` or ``generator`` a fresh key is drawn from the XLA device's RNG
@@ -40,7 +46,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
             the same mask at every time step). Default: ``False``.
 
     Returns:
-        Tensor: same shape and dtype as ``x`` (a new tensor unless ``x`` is returned as is).
+        Tensor: same shape and dtype as ``x`` (a new tensor unless ``x`` is returned as is
+        or ``inplace``).
 
     Raises:
         TypeError: ``x`` is not a float tensor (integer and bool tensors are rejected), or
@@ -56,12 +63,24 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
         >>> y = torch_pallas.dropout(x, p=0.1, seed=0)
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
+    def check_input(x):
+        if shared_over_first_dim and x.dim() == 0:
+            raise ValueError("shared_over_first_dim needs an input with at least one dimension")
+
+    def masked(key_data, p, impl):
+        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim)
+
+    return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
+
+
+def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input) -> torch.Tensor:
+    """What every dropout shares: the checks, the identity, ``p == 1``, the key, ``inplace``.
+    ``masked(key_data, p, impl)`` returns the output for ``0 < p < 1``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     p = _checks.check_probability(p)
     impl = _checks.resolve_impl(impl)
-    if shared_over_first_dim and x.dim() == 0:
-        raise ValueError("shared_over_first_dim needs an input with at least one dimension")
+    check_input(x)
     if not training or p == 0.0:
         seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
         return x  # the identity, as torch's, for any device and dtype
@@ -69,13 +88,98 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None
     _checks.check_numel(x.shape, "x")
     if p == 1.0:
         seeds.check_source(seed, generator)
-        return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
-    key_data = seeds.key_data(seed=seed, generator=generator, device=x.device)
-    return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim)
+        output = x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
+    else:
+        output = masked(seeds.key_data(seed=seed, generator=generator, device=x.device), p, impl)
+    return x.copy_(output) if inplace else output
+
+
+def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):
+    """Channel dropout as torch's ``dropout1d/2d/3d``: one mask element per (sample, channel)
+    for a batched input, per channel for an unbatched one (torch's rules for other ranks)."""
+    name = f"dropout{spatial_dims}d"
+
+    def check_input(x):
+        if x.dim() < 2:
+            raise ValueError(f"{name} needs an input with a channel dimension (at least 2-D), got shape "
+                             f"{tuple(x.shape)}")
+        if name == "dropout1d" and x.dim() not in (2, 3):
+            raise ValueError(f"dropout1d expects a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
+        if x.dim() not in (spatial_dims + 1, spatial_dims + 2):
+            # torch warns (and goes on) in the same words
+            warnings.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
+                          f"in an error in a future release. To retain the behavior and silence this warning, "
+                          f"please use dropout instead.", stacklevel=5)
+        if name == "dropout2d" and x.dim() == 3:
+            warnings.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
+                          "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
+                          "dim. Use dropout1d to keep this behavior.", stacklevel=5)
+
+    def masked(key_data, p, impl):
+        # torch.nn.functional.dropout2d takes any 3-D input as batched (N, C, L).
+        leading = 2 if x.dim() == spatial_dims + 2 or name == "dropout2d" else 1
+        channels = x.shape[:leading]
+        scale = dropout_op.apply(x.new_ones(channels), key_data, p, impl, False)
+        return x * scale.reshape(*channels, *[1] * (x.dim() - leading))
+
+    return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
+
+
+_FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probability ``p`` and scales the rest
+    by :math:`1/(1-p)`, as :func:`torch.nn.functional.{name}`.
+
+    A channel is ``x[n, c]`` for a batched ``{batched}`` input, ``x[c]`` for an unbatched
+    ``{unbatched}`` one. The mask over the leading (sample, channel) dims is drawn from a PRNG
+    key as :func:`torch_pallas.dropout` draws it (with ``impl="threefry"``, bit for bit
+    ``jax.random.bernoulli(key, 1 - p, x.shape[:2])`` for a batched input), and is small: the
+    autograd graph keeps it (one element per channel) rather than the key.{extra}
+
+    Args:
+        x (Tensor): float32, bfloat16 or float16 on an XLA device (any tensor when nothing is
+            dropped: ``training=False`` or ``p == 0``).
+        p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
+        training (bool): apply dropout if ``True``; return ``x`` itself if ``False``.
+        inplace (bool): write the result into ``x`` and return ``x``. Default: ``False``.
+        seed, generator, impl: as for :func:`torch_pallas.dropout`.
+
+    Returns:
+        Tensor: same shape and dtype as ``x``.
+
+    Raises:
+        TypeError, ValueError: as :func:`torch_pallas.dropout`; ValueError also for an input
+            without a channel dimension{raises}.
+    """
+
+
+def dropout1d(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
+              generator=None, impl=None) -> torch.Tensor:
+    return _feature_dropout(x, p, training, inplace, seed, generator, impl, spatial_dims=1)
+
+
+def dropout2d(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
+              generator=None, impl=None) -> torch.Tensor:
+    return _feature_dropout(x, p, training, inplace, seed, generator, impl, spatial_dims=2)
+
+
+def dropout3d(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
+              generator=None, impl=None) -> torch.Tensor:
+    return _feature_dropout(x, p, training, inplace, seed, generator, impl, spatial_dims=3)
+
+
+dropout1d.__doc__ = _FEATURE_DROPOUT_DOC.format(
+    name="dropout1d", batched="(N, C, L)", unbatched="(C, L)", extra="",
+    raises=", or one that is not 2-D or 3-D")
+dropout2d.__doc__ = _FEATURE_DROPOUT_DOC.format(
+    name="dropout2d", batched="(N, C, H, W)", unbatched="(C, H, W)",
+    extra=" As torch's, a 3-D input is taken as a batched ``(N, C, L)`` (with torch's warning), and "
+          "other ranks than 3 and 4 warn that torch will reject them.", raises="")
+dropout3d.__doc__ = _FEATURE_DROPOUT_DOC.format(
+    name="dropout3d", batched="(N, C, D, H, W)", unbatched="(C, D, H, W)",
+    extra=" As torch's, other ranks than 4 and 5 warn and are taken as unbatched.", raises="")
 
 
 def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None, *, nonlinearity: str = "relu",
-           batch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           batch_first: bool = False, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Runs the IndRNN recurrence :math:`h_t = \sigma(x_t + w \odot h_{t-1})` over a sequence.
 
     Every feature has its own recurrent weight, so the recurrence is elementwise: one Pallas
@@ -90,6 +194,13 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         h0 (Tensor, optional): ``(B, F)`` initial state; zeros if ``None``.
         nonlinearity (str): ``"relu"`` (default) or ``"tanh"``.
         batch_first (bool): whether ``x`` and ``output`` are ``(B, T, F)``.
+        lengths (Tensor or list of int, optional): ``(B,)`` steps per sequence, for a batch
+            of sequences of different lengths padded to ``T`` (as
+            :func:`torch.nn.utils.rnn.pad_packed_sequence` returns them): sequence ``b``
+            runs steps ``t < lengths[b]``, its output is 0 after them, ``h_n[b]`` is its last
+            state, and nothing flows back from the padding. The lengths are data for the
+            kernels: new values do not recompile. Integers in :math:`[0, T]` (checked when
+            they are a list or a CPU tensor; on an XLA device they are clipped to it).
 
     Returns:
         (Tensor, Tensor): ``output`` (x's shape and dtype: every :math:`h_t`) and ``h_n``
@@ -98,7 +209,8 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     Raises:
         TypeError: a non-tensor or a non-float tensor (integer dtypes included).
         ValueError: ``x`` not 3-D, ``weight`` not ``(F,)``, ``h0`` not ``(B, F)``, an
-            unknown ``nonlinearity``, or a tensor not on an XLA device.
+            unknown ``nonlinearity``, a tensor not on an XLA device, or ``lengths`` not
+            ``(B,)`` integers in :math:`[0, T]`.
 
     Example::
 
@@ -124,5 +236,8 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         _checks.check_float_tensor(h0, "h0")
         if h0.shape != (batch, features):
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
-    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, nonlinearity)
+    if lengths is not None:
+        lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
+    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity)
     return (output.transpose(0, 1) if batch_first else output), h_n
+

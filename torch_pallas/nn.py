@@ -8,17 +8,34 @@ import numbers
 import warnings
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from torch_pallas import _checks
-from torch_pallas.functional import dropout as dropout_fn, indrnn
+from torch_pallas.functional import dropout as dropout_fn, dropout1d, dropout2d, dropout3d, indrnn
 from torch_pallas.kernels.indrnn import check_nonlinearity
+from torch_pallas.packing import Padded, reverse_each
 
-__all__ = ["Dropout", "IndRNN", "convert_dropout"]
+__all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "IndRNN", "convert_dropout"]
 
 _logger = logging.getLogger("torch_pallas")
 
 
-class Dropout(torch.nn.Dropout):
+class _KeyedDropout:
+    """What the dropout modules share: torch's ``(p, inplace)`` plus ``impl``, and the call."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None):
+        super().__init__(_checks.check_probability(p), inplace)
+        _checks.resolve_impl(impl)
+        self.impl = impl
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._function(input, self.p, self.training, self.inplace, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", impl={self.impl!r}" if self.impl is not None else "")
+
+
+class Dropout(_KeyedDropout, torch.nn.Dropout):
     r"""During training, zeroes elements with probability ``p`` and scales the rest by :math:`1/(1-p)`.
 
     A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr)
@@ -43,56 +60,87 @@ class Dropout(torch.nn.Dropout):
             ``impl="hardware"`` off TPU.
     """
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None):
-        super().__init__(_checks.check_probability(p), inplace)
-        _checks.resolve_impl(impl)
-        self.impl = impl
+    _function = staticmethod(dropout_fn)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return input
-        output = dropout_fn(input, self.p, impl=self.impl)
-        return input.copy_(output) if self.inplace and output is not input else output
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (f", impl={self.impl!r}" if self.impl is not None else "")
+_CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
+    :math:`1/(1-p)`: a drop-in for :class:`torch.nn.{name}` (a subclass of it, with its
+    signature and repr) on XLA devices. Each call draws a fresh key from the XLA RNG; the
+    mask has one element per (sample, channel). In ``eval()`` mode it returns its input.
+    See :func:`torch_pallas.functional.{function}`.
+
+    Args:
+        p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
+        inplace (bool): write the result into the input and return it. Default: ``False``.
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
+
+    Shape:
+        - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16 or
+          float16 on an XLA device.
+        - Output: the input's shape and dtype.
+
+    Raises:
+        TypeError, ValueError: as :class:`Dropout`.
+    """
+
+
+class Dropout1d(_KeyedDropout, torch.nn.Dropout1d):
+    __doc__ = _CHANNEL_DOC.format(name="Dropout1d", function="dropout1d", batched="(N, C, L)", unbatched="(C, L)")
+    _function = staticmethod(dropout1d)
+
+
+class Dropout2d(_KeyedDropout, torch.nn.Dropout2d):
+    __doc__ = _CHANNEL_DOC.format(name="Dropout2d", function="dropout2d", batched="(N, C, H, W)",
+                                  unbatched="(N, C, L)")
+    _function = staticmethod(dropout2d)
+
+
+class Dropout3d(_KeyedDropout, torch.nn.Dropout3d):
+    __doc__ = _CHANNEL_DOC.format(name="Dropout3d", function="dropout3d", batched="(N, C, D, H, W)",
+                                  unbatched="(C, D, H, W)")
+    _function = staticmethod(dropout3d)
+
+
+_REPLACEMENTS = {torch.nn.Dropout: Dropout, torch.nn.Dropout1d: Dropout1d, torch.nn.Dropout2d: Dropout2d,
+                 torch.nn.Dropout3d: Dropout3d}
 
 
 def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
-    """Replaces every :class:`torch.nn.Dropout` in ``model`` (nested too) with :class:`Dropout`.
+    """Replaces every :class:`torch.nn.Dropout`, ``Dropout1d``, ``Dropout2d`` and ``Dropout3d``
+    in ``model`` (nested too) with its torch_pallas counterpart (:class:`Dropout`, ...).
 
     Each replacement keeps the original's ``p``, ``inplace`` and training mode.
-    ``Dropout1d/2d/3d`` and ``AlphaDropout`` (different semantics) are left alone, as are
-    other subclasses of ``nn.Dropout``. Dropout that is not a module (``F.dropout`` calls
-    in ``forward``, as in OPT or Llama) is out of this function's reach: run the model
-    inside :func:`torch_pallas.route_dropout` to reach it. The ``torch_pallas`` logger
-    says what was converted, and a warning says so when nothing was.
+    ``AlphaDropout`` and ``FeatureAlphaDropout`` (other semantics) are left alone, as are
+    other subclasses. Dropout that is not a module (``F.dropout`` calls in ``forward``, as
+    in OPT or Llama) is out of this function's reach: run the model inside
+    :func:`torch_pallas.route_dropout` to reach it. The ``torch_pallas`` logger says what
+    was converted, and a warning says so when nothing was.
 
     Args:
         model (nn.Module): converted in place.
-        impl (str, optional): passed to every new :class:`Dropout`.
+        impl (str, optional): passed to every new module.
 
     Returns:
-        nn.Module: ``model``, or a new :class:`Dropout` if ``model`` itself is an ``nn.Dropout``.
+        nn.Module: ``model``, or the replacement if ``model`` itself is a dropout module.
     """
     _checks.resolve_impl(impl)
-    if type(model) is torch.nn.Dropout:
+    if type(model) in _REPLACEMENTS:
         return _replacement(model, impl)
     converted = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Dropout:
+            if type(child) in _REPLACEMENTS:
                 setattr(parent, name, _replacement(child, impl))
                 converted.append(f"{parent_name}.{name}" if parent_name else name)
-    _logger.info("convert_dropout: converted %d nn.Dropout modules: %s", len(converted), ", ".join(converted))
+    _logger.info("convert_dropout: converted %d dropout modules: %s", len(converted), ", ".join(converted))
     if not converted:
-        warnings.warn(f"convert_dropout found no nn.Dropout module in {type(model).__name__}; if its forward "
-                      "calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
+        warnings.warn(f"convert_dropout found no nn.Dropout/Dropout1d/2d/3d module in {type(model).__name__}; "
+                      "if its forward calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
     return model
 
 
-def _replacement(module: torch.nn.Dropout, impl) -> Dropout:
-    replacement = Dropout(module.p, module.inplace, impl=impl)
+def _replacement(module: torch.nn.Module, impl) -> torch.nn.Module:
+    replacement = _REPLACEMENTS[type(module)](module.p, module.inplace, impl=impl)
     replacement.train(module.training)
     return replacement
 
@@ -137,19 +185,31 @@ class IndRNN(torch.nn.Module):
             the IndRNN paper (clipped to ``recurrent_max_abs`` when given).
 
     Inputs: ``input, hx``
-        input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``, or
-            ``(T, input_size)`` unbatched; float, on an XLA device.
+        input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``,
+            ``(T, input_size)`` unbatched, or a :class:`~torch.nn.utils.rnn.PackedSequence`
+            of sequences of different lengths; float, on an XLA device. Build a packed
+            batch on the CPU and move it with ``.to(device)``, or with
+            :func:`torch_pallas.packing.pack_padded_sequence`: torch_xla 2.9's
+            ``pack_padded_sequence`` / ``pack_sequence`` return wrong data for XLA tensors.
         hx: ``(num_layers * num_directions, B, hidden_size)`` (no ``B`` if unbatched); zeros
             if omitted.
 
     Outputs: ``output, h_n``
-        output: ``(T, B, num_directions * hidden_size)`` (batch first if ``batch_first``).
+        output: ``(T, B, num_directions * hidden_size)`` (batch first if ``batch_first``), or
+            a :class:`~torch.nn.utils.rnn.PackedSequence` for a packed input.
         h_n: ``(num_layers * num_directions, B, hidden_size)``, the last state of every layer
             and direction (the state after the first time step for the reverse direction).
+            For a packed input, as :class:`torch.nn.RNN`: each sequence's state stops at its
+            own length (the kernels take the lengths as data, so new lengths compile no new
+            kernel), the reverse direction starts at each sequence's last step, and nothing
+            flows back from the padding. Under ``torch.compile`` every new set of lengths is
+            a new packed shape and compiles anew.
 
     Raises:
         ValueError: bad sizes, ``nonlinearity``, ``dropout`` or ``recurrent_max_abs`` at
-            construction; input or ``hx`` of the wrong rank or size in :meth:`forward`.
+            construction; input or ``hx`` of the wrong rank or size, or on another device
+            than the parameters, in :meth:`forward`.
+        TypeError: an input that is neither a tensor nor a ``PackedSequence``.
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "relu",
@@ -220,15 +280,22 @@ class IndRNN(torch.nn.Module):
         """
         return optimizer.register_step_post_hook(lambda *_: self.clip_recurrent_weights())
 
-    def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None):
-        if isinstance(input, torch.nn.utils.rnn.PackedSequence):
-            raise TypeError("IndRNN does not take a PackedSequence yet: pad it "
-                            "(torch.nn.utils.rnn.pad_packed_sequence) and pass the padded tensor")
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    def forward(self, input, hx: torch.Tensor | None = None):
+        packed = isinstance(input, PackedSequence)
+        if packed:
+            # Run in the packed batch's sorted order, as nn.RNN does; the kernels stop each
+            # sequence at its length.
+            packing = Padded(input)
+            input, lengths = packing.padded(), packing.lengths
+            if hx is not None and isinstance(hx, torch.Tensor) and packing.sorted_indices is not None:
+                hx = hx.index_select(1, packing.sorted_indices.to(hx.device))
+        elif not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor or a PackedSequence, got {type(input).__name__}")
+        else:
+            lengths = None
         parameter_device = self.weight_ih_l0.device
         for name, tensor in (("input", input), ("hx", hx)):
-            if tensor is not None and tensor.device != parameter_device:
+            if isinstance(tensor, torch.Tensor) and tensor.device != parameter_device:
                 raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on "
                                  f"{parameter_device}: move both to the same XLA device (module.to(device))")
         batched = input.dim() == 3
@@ -237,7 +304,7 @@ class IndRNN(torch.nn.Module):
         if input.shape[-1] != self.input_size:
             raise ValueError(f"input must have {self.input_size} features, got shape {tuple(input.shape)}")
         sequence = input if batched else input.unsqueeze(1)
-        if batched and self.batch_first:
+        if batched and self.batch_first and not packed:
             sequence = sequence.transpose(0, 1)
         batch = sequence.shape[1]
         states = self.num_layers * self.num_directions
@@ -248,6 +315,8 @@ class IndRNN(torch.nn.Module):
                                  f"{tuple(hx.shape) if isinstance(hx, torch.Tensor) else type(hx).__name__}")
             if not batched:
                 hx = hx.unsqueeze(1)
+        if lengths is not None:
+            lengths = _checks.check_lengths(lengths, parameter_device, sequence.shape[0], batch)
 
         last_states = []
         for layer in range(self.num_layers):
@@ -256,17 +325,21 @@ class IndRNN(torch.nn.Module):
                 projected = torch.nn.functional.linear(
                     sequence, getattr(self, f"weight_ih{suffix}"), getattr(self, f"bias_ih{suffix}"))
                 if direction == 1:
-                    projected = projected.flip(0)
+                    projected = reverse_each(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
                 output, h_n = indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0,
-                                     nonlinearity=self.nonlinearity)
-                directions.append(output.flip(0) if direction == 1 else output)
+                                     nonlinearity=self.nonlinearity, lengths=lengths)
+                directions.append(reverse_each(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
                 sequence = dropout_fn(sequence, self.dropout, shared_over_first_dim=True)
 
         h_n = torch.stack(last_states)
+        if packed:
+            if packing.unsorted_indices is not None:
+                h_n = h_n.index_select(1, packing.unsorted_indices.to(h_n.device))
+            return packing.packed(sequence), h_n
         if not batched:
             return sequence.squeeze(1), h_n.squeeze(1)
         return (sequence.transpose(0, 1) if self.batch_first else sequence), h_n
@@ -279,3 +352,4 @@ class IndRNN(torch.nn.Module):
             if getattr(self, name) != default:
                 text += f", {name}={getattr(self, name)!r}"
         return text
+

@@ -11,18 +11,26 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torch_pallas import _checks
-from torch_pallas.functional import dropout
+from torch_pallas import functional
 
 __all__ = ["route_dropout"]
 
-_DROPOUTS = {F.dropout: inspect.signature(F.dropout), torch.dropout: inspect.signature(lambda input, p, train: None)}
+# torch's function -> (its signature, to bind calls; ours, with the same leading parameters)
+_DROPOUTS = {
+    F.dropout: (inspect.signature(F.dropout), functional.dropout),
+    torch.dropout: (inspect.signature(lambda input, p, train: None), functional.dropout),
+    F.dropout1d: (inspect.signature(F.dropout1d), functional.dropout1d),
+    F.dropout2d: (inspect.signature(F.dropout2d), functional.dropout2d),
+    F.dropout3d: (inspect.signature(F.dropout3d), functional.dropout3d),
+}
 _SDPA_WARNING = ("torch_pallas.route_dropout: scaled_dot_product_attention's dropout_p is applied inside "
                  "torch's attention kernel with torch's RNG and is not routed to torch_pallas")
 
 
 class route_dropout(TorchFunctionMode):
     r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
-    ``torch.nn.Dropout`` module) on XLA float tensors run as :func:`torch_pallas.dropout`.
+    ``torch.nn.Dropout`` module) on XLA float tensors run as :func:`torch_pallas.dropout`,
+    and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as their torch_pallas counterparts.
 
     A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
     ``torch.compile(backend="openxla")`` (dynamo traces the mode), entered around the
@@ -52,14 +60,13 @@ class route_dropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        signature = _DROPOUTS.get(func)
-        if signature is not None:
+        if func in _DROPOUTS:
+            signature, ours = _DROPOUTS[func]
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()
             input, p, training = call.args[:3]
             if input.device.type == "xla" and input.is_floating_point():
-                output = dropout(input, p, training, impl=self.impl)
-                return input.copy_(output) if call.arguments.get("inplace") and output is not input else output
+                return ours(input, p, training, call.arguments.get("inplace", False), impl=self.impl)
         elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
             # Python's default warning filter shows it once per call site; no state kept
             # here, so that dynamo has nothing to guard on and recompile for.

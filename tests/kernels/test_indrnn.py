@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reference import indrnn_reference, indrnn_reference_gradients
+from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths
 from torch_pallas.kernels import indrnn
 from torch_pallas.kernels.tiling import RecurrenceBlocks, resolve_recurrence
 
@@ -114,6 +114,43 @@ def test_partially_unrolled_time_loop():
     problem = random_problem(*shape)
     results = run_kernels(problem, "tanh", RecurrenceBlocks(8, 8, 128, unroll=3))
     assert_matches_reference(results, problem, "tanh", forward_rtol=FORWARD_RTOL, gradient_rtol=GRADIENT_RTOL)
+
+
+# Ragged lengths over the ragged case's 12 rows: full, 0, 1, ends inside and at the edge of
+# a time block (blocks of 8), past T (clipped), negative (as 0).
+LENGTHS = np.array([37, 0, 1, 8, 9, 16, 36, 20, 40, 5, -3, 33], np.int32)
+
+
+@pytest.mark.parametrize("nonlinearity", ["relu", "tanh"])
+def test_lengths_stop_each_row_at_its_own_step(nonlinearity):
+    shape, blocks = CASES["ragged_blocks"]
+    problem = random_problem(*shape, seed=3)
+    options = dict(nonlinearity=nonlinearity, interpret=True)
+    expected = indrnn_reference_with_lengths(problem["x"], problem["weight"], problem["h0"], LENGTHS,
+                                             problem["grad_output"], problem["grad_h_n"], nonlinearity)
+    for forced in (blocks, RecurrenceBlocks(6, 12, 200, unroll=4)):
+        output, h_n = indrnn.indrnn_forward(problem["x"], problem["weight"], problem["h0"], LENGTHS,
+                                            blocks=forced, **options)
+        gradients = indrnn.indrnn_backward(problem["grad_output"], problem["grad_h_n"], output, problem["weight"],
+                                           problem["h0"], LENGTHS, blocks=forced, **options)
+        for name, actual, wanted in zip(RESULT_NAMES, (output, h_n, *gradients), expected):
+            rtol = FORWARD_RTOL if name in ("output", "h_n") else GRADIENT_RTOL
+            assert relative_error(actual, wanted) <= rtol, f"{name} with {forced}"
+        np.testing.assert_array_equal(np.asarray(output)[:, 1], 0)  # the length-0 row
+        np.testing.assert_array_equal(np.asarray(h_n)[1], problem["h0"][1])
+
+
+def test_full_lengths_equal_no_lengths_bit_for_bit():
+    shape, blocks = CASES["ragged_blocks"]
+    problem = random_problem(*shape)
+    full = np.full(shape[1], shape[0], np.int32)
+    without = run_kernels(problem, "tanh", blocks)
+    options = dict(nonlinearity="tanh", interpret=True, blocks=blocks)
+    output, h_n = indrnn.indrnn_forward(problem["x"], problem["weight"], problem["h0"], full, **options)
+    gradients = indrnn.indrnn_backward(problem["grad_output"], problem["grad_h_n"], output, problem["weight"],
+                                       problem["h0"], full, **options)
+    for name, expected, actual in zip(RESULT_NAMES, without, (output, h_n, *gradients)):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)
 
 
 def test_bfloat16_inputs():
@@ -220,6 +257,13 @@ def test_rejects_invalid_blocks(blocks):
         indrnn.indrnn_forward(x, weight, h0, nonlinearity="relu", interpret=True, blocks=blocks)
     with pytest.raises(error, match="blocks"):
         indrnn.indrnn_backward(x, h0, x, weight, h0, nonlinearity="relu", interpret=True, blocks=blocks)
+
+
+def test_rejects_bad_lengths():
+    x, weight, h0 = np.zeros((4, 2, 8), np.float32), np.zeros(8, np.float32), np.zeros((2, 8), np.float32)
+    for lengths in (np.array([1, 2, 3], np.int32), np.array([1.0, 2.0], np.float32)):
+        with pytest.raises(ValueError, match="lengths"):
+            indrnn.indrnn_forward(x, weight, h0, lengths, nonlinearity="relu", interpret=True)
 
 
 def test_rejects_mismatched_shapes():

@@ -88,16 +88,21 @@ def test_dropout(generation, impl, dtype, shared_over_first_dim):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("nonlinearity", indrnn.NONLINEARITIES)
 def test_indrnn(generation, nonlinearity, dtype):
-    cases = [(shape, None) for shape in RECURRENCE_SHAPES.values()]
-    cases.append((RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128)))
-    for (T, B, F), blocks in cases:
+    cases = [(shape, None, False) for shape in RECURRENCE_SHAPES.values()]
+    cases.append((RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), False))
+    # Per-row lengths (packed sequences): default and forced blocks, whole and partial batch blocks.
+    cases += [(RECURRENCE_SHAPES["ragged"], None, True), (RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), True),
+              (RECURRENCE_SHAPES["large"], None, True)]
+    for (T, B, F), blocks, with_lengths in cases:
         sequence = jax.ShapeDtypeStruct((T, B, F), DTYPES[dtype])
         state = jax.ShapeDtypeStruct((B, F), DTYPES[dtype])
         weight = jax.ShapeDtypeStruct((F,), jnp.float32)
+        lengths = [jax.ShapeDtypeStruct((B,), jnp.int32)] if with_lengths else []
         options = dict(nonlinearity=nonlinearity, interpret=False, blocks=blocks)
-        compiles(functools.partial(indrnn.indrnn_forward, **options), sequence, weight, state, generation=generation)
-        compiles(functools.partial(indrnn.indrnn_backward, **options), sequence, state, sequence, weight, state,
+        compiles(functools.partial(indrnn.indrnn_forward, **options), sequence, weight, state, *lengths,
                  generation=generation)
+        compiles(functools.partial(indrnn.indrnn_backward, **options), sequence, state, sequence, weight, state,
+                 *lengths, generation=generation)
 
 
 def test_mosaic_ir_version_pinned_by_the_bridge_is_accepted(generation):

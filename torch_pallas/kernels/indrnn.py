@@ -43,6 +43,14 @@ never executed: the number of valid steps in the last time block is a static
 Python int, and that block runs a loop of exactly that length, so ``h_n`` and the
 backward carry never see padding.
 
+Variable lengths
+----------------
+An optional int32 ``lengths`` of shape ``(B,)`` (as a packed batch of sequences has) stops
+each row at its own length: at steps ``t >= lengths[b]`` the state is held, the output is
+0 and nothing flows back, so ``h_n`` is each row's last valid state. The lengths are data
+travelling in a ``(block_b, 1)`` block, not static values: one compiled kernel serves every
+set of lengths. Without them the kernels carry no mask at all.
+
 Determinism
 -----------
 The weight gradient is accumulated per batch row in a float32 output block of
@@ -110,6 +118,15 @@ def _check_shapes(x, weight, h0, x_name: str = "x") -> tuple[int, int, int]:
     return T, B, F
 
 
+def _check_lengths(lengths, batch: int):
+    """``lengths`` as the kernels take it: int32 of shape (B, 1), or None."""
+    if lengths is None:
+        return None
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be an integer array of shape ({batch},), got {lengths.dtype} {lengths.shape}")
+    return lengths.astype(jnp.int32).reshape(batch, 1)
+
+
 def _compiler_params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
@@ -151,11 +168,25 @@ def _load_weight(weight_ref, state_shape, interpret: bool) -> jax.Array:
     return jnp.broadcast_to(weight, state_shape)
 
 
+def _valid_steps(lengths_ref, time_block, block_t: int):
+    """``valid(i)``: the (block_b, 1) rows still running at step i of this time block, or
+    ``None`` when every row runs every step (no lengths)."""
+    if lengths_ref is None:
+        return None
+    lengths = lengths_ref[...]
+    return lambda i: time_block * block_t + i < lengths
+
+
 def _forward_kernel(
-    x_ref, weight_ref, h0_ref, out_ref, h_n_ref, state_ref,
-    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int, interpret: bool,
+    *refs, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int,
+    interpret: bool, has_lengths: bool,
 ):
+    if has_lengths:
+        x_ref, weight_ref, h0_ref, lengths_ref, out_ref, h_n_ref, state_ref = refs
+    else:
+        (x_ref, weight_ref, h0_ref, out_ref, h_n_ref, state_ref), lengths_ref = refs, None
     time_block = pl.program_id(2)
+    valid = _valid_steps(lengths_ref, time_block, block_t)
 
     @pl.when(time_block == 0)
     def _():
@@ -165,9 +196,13 @@ def _forward_kernel(
 
     def run_steps(num_steps: int):
         def step(i, hidden):
-            hidden = _activate(x_ref[i].astype(jnp.float32) + weight * hidden, nonlinearity)
-            out_ref[i] = hidden.astype(out_ref.dtype)
-            return hidden
+            updated = _activate(x_ref[i].astype(jnp.float32) + weight * hidden, nonlinearity)
+            if valid is None:
+                out_ref[i] = updated.astype(out_ref.dtype)
+                return updated
+            running = valid(i)
+            out_ref[i] = jnp.where(running, updated, 0.0).astype(out_ref.dtype)
+            return jnp.where(running, updated, hidden)
 
         state_ref[...] = _unrolled_loop(num_steps, step, state_ref[...], unroll)
 
@@ -188,6 +223,7 @@ def indrnn_forward(
     x: jax.Array,
     weight: jax.Array,
     h0: jax.Array,
+    lengths: jax.Array | None = None,
     *,
     nonlinearity: str,
     interpret: bool,
@@ -199,6 +235,9 @@ def indrnn_forward(
       x: input of shape ``(T, B, F)``, float32, bfloat16 or float16.
       weight: recurrent weight of shape ``(F,)``, any float dtype.
       h0: initial state of shape ``(B, F)``, any float dtype.
+      lengths: optional steps to run per row, integer of shape ``(B,)``: row b runs steps
+        ``t < lengths[b]``, its output is 0 after them and ``h_n[b]`` is its last state
+        (``h0[b]`` for a length of 0 or less). Data, not static: no recompilation per value.
       nonlinearity: ``"relu"`` or ``"tanh"``.
       interpret: run Pallas in interpret mode (CPU) instead of compiling for TPU.
       blocks: optional blocks overriding the default (see
@@ -214,11 +253,12 @@ def indrnn_forward(
     """
     check_nonlinearity(nonlinearity)
     T, B, F = _check_shapes(x, weight, h0)
+    lengths = _check_lengths(lengths, B)
     if T == 0 or B == 0 or F == 0:
         return jnp.zeros(x.shape, x.dtype), h0.astype(x.dtype)
     wide = tiling.widen_float16(x, weight, h0)
     blocks = tiling.resolve_recurrence(blocks, T, B, F, wide[0].dtype, interpret=interpret)
-    output, h_n = _forward_call(*wide, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    output, h_n = _forward_call(*wide, lengths, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
     return output.astype(x.dtype), h_n.astype(x.dtype)
 
 
@@ -230,6 +270,7 @@ class _RecurrenceGrid(NamedTuple):
     sequence_spec: pl.BlockSpec
     state_spec: pl.BlockSpec
     weight_spec: pl.BlockSpec
+    lengths_spec: pl.BlockSpec
     kernel_options: dict
 
 
@@ -249,6 +290,7 @@ def _recurrence_grid(shape, blocks: tiling.RecurrenceBlocks, *, reverse_time: bo
         state_spec=pl.BlockSpec((blocks.batch, blocks.features), lambda b, f, t: (b, f)),
         # Mosaic has no good layout for 1-D blocks: the weight travels as a (1, F) row.
         weight_spec=pl.BlockSpec((1, blocks.features), lambda b, f, t: (0, f)),
+        lengths_spec=pl.BlockSpec((blocks.batch, 1), lambda b, f, t: (b, 0)),
         kernel_options=dict(num_time_blocks=num_time_blocks, block_t=blocks.time, unroll=blocks.unroll,
                             last_block_steps=T - (num_time_blocks - 1) * blocks.time),
     )
@@ -256,11 +298,13 @@ def _recurrence_grid(shape, blocks: tiling.RecurrenceBlocks, *, reverse_time: bo
 
 # Jitted so that eager calls with the same shapes and options reuse one compile.
 @functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))
-def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, blocks: tiling.RecurrenceBlocks):
+def _forward_call(x, weight, h0, lengths, *, nonlinearity: str, interpret: bool,
+                  blocks: tiling.RecurrenceBlocks):
     T, B, F = x.shape
     specs = _recurrence_grid(x.shape, blocks, reverse_time=False)
     kernel = functools.partial(_forward_kernel, nonlinearity=nonlinearity, interpret=interpret,
-                               **specs.kernel_options)
+                               has_lengths=lengths is not None, **specs.kernel_options)
+    optional = [] if lengths is None else [lengths]
     itemsize = x.dtype.itemsize
     return pl.pallas_call(
         kernel,
@@ -269,7 +313,7 @@ def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, blocks: 
             jax.ShapeDtypeStruct((B, F), x.dtype),
         ),
         grid=specs.grid,
-        in_specs=[specs.sequence_spec, specs.weight_spec, specs.state_spec],
+        in_specs=[specs.sequence_spec, specs.weight_spec, specs.state_spec] + [specs.lengths_spec] * len(optional),
         out_specs=(specs.sequence_spec, specs.state_spec),
         scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
@@ -280,20 +324,23 @@ def _forward_call(x, weight, h0, *, nonlinearity: str, interpret: bool, blocks: 
         ),
         interpret=interpret,
         name=f"indrnn_forward_{nonlinearity}",
-    )(x, weight.reshape(1, F), h0)
+    )(x, weight.reshape(1, F), h0, *optional)
 
 
 # -------------------------------------------------------------------------- backward
 
 
 def _backward_kernel(
-    grad_output_ref, grad_h_n_ref, output_ref, previous_row_ref, weight_ref, h0_ref,
-    grad_x_ref, grad_h0_ref, grad_weight_rows_ref, future_grad_ref,
-    *, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int, interpret: bool,
+    *refs, nonlinearity: str, num_time_blocks: int, block_t: int, last_block_steps: int, unroll: int,
+    interpret: bool, has_lengths: bool,
 ):
+    inputs, (grad_x_ref, grad_h0_ref, grad_weight_rows_ref, future_grad_ref) = refs[:-4], refs[-4:]
+    grad_output_ref, grad_h_n_ref, output_ref, previous_row_ref, weight_ref, h0_ref = inputs[:6]
+    lengths_ref = inputs[6] if has_lengths else None
     # Grid step 0 handles the LAST time block (the index maps reverse time).
     grid_step = pl.program_id(2)
     time_block = num_time_blocks - 1 - grid_step
+    valid = _valid_steps(lengths_ref, time_block, block_t)
 
     # future_grad carries the part of dL/dh_t that comes from later steps:
     # w * dL/da_{t+1}, or grad_h_n for t = T-1.
@@ -310,8 +357,15 @@ def _backward_kernel(
         grad_pre_activation = (grad_output_ref[i].astype(jnp.float32) + future_grad) * (
             _activation_derivative_from_output(hidden, nonlinearity)
         )
+        if valid is None:
+            grad_x_ref[i] = grad_pre_activation.astype(grad_x_ref.dtype)
+            return weight * grad_pre_activation, grad_weight_rows + grad_pre_activation * hidden_before
+        # A finished row held its state: its gradient passes through unchanged.
+        running = valid(i)
+        grad_pre_activation = jnp.where(running, grad_pre_activation, 0.0)
         grad_x_ref[i] = grad_pre_activation.astype(grad_x_ref.dtype)
-        return weight * grad_pre_activation, grad_weight_rows + grad_pre_activation * hidden_before
+        return (jnp.where(running, weight * grad_pre_activation, future_grad),
+                grad_weight_rows + grad_pre_activation * hidden_before)
 
     def run_steps(num_steps: int):
         # Steps num_steps-1 .. 1 find h_{i-1} in this block. Reading it again rather
@@ -355,6 +409,7 @@ def indrnn_backward(
     output: jax.Array,
     weight: jax.Array,
     h0: jax.Array,
+    lengths: jax.Array | None = None,
     *,
     nonlinearity: str,
     interpret: bool,
@@ -376,8 +431,9 @@ def indrnn_backward(
       output: the forward's ``output``, shape ``(T, B, F)``.
       weight: recurrent weight, shape ``(F,)``.
       h0: initial state, shape ``(B, F)``.
-      nonlinearity, interpret, blocks: as for ``indrnn_forward``; use the same
-        ``nonlinearity`` as the forward pass. Any valid blocks give the same result.
+      lengths, nonlinearity, interpret, blocks: as for ``indrnn_forward``; use the same
+        ``lengths`` and ``nonlinearity`` as the forward pass. Any valid blocks give the
+        same result.
 
     Returns:
       ``(grad_x, grad_weight, grad_h0)`` with shapes ``(T, B, F)``, ``(F,)``,
@@ -397,6 +453,7 @@ def indrnn_backward(
         raise ValueError(f"grad_h_n must have shape ({B}, {F}), got {grad_h_n.shape}")
     _check_float("grad_output", grad_output)
     _check_float("grad_h_n", grad_h_n)
+    lengths = _check_lengths(lengths, B)
     if T == 0 or B == 0 or F == 0:
         return (
             jnp.zeros(output.shape, output.dtype),
@@ -405,12 +462,13 @@ def indrnn_backward(
         )
     wide = tiling.widen_float16(grad_output, grad_h_n, output, weight, h0)
     blocks = tiling.resolve_recurrence(blocks, T, B, F, wide[2].dtype, interpret=interpret)
-    grad_x, grad_weight, grad_h0 = _backward_call(*wide, nonlinearity=nonlinearity, interpret=interpret, blocks=blocks)
+    grad_x, grad_weight, grad_h0 = _backward_call(*wide, lengths, nonlinearity=nonlinearity, interpret=interpret,
+                                                  blocks=blocks)
     return grad_x.astype(output.dtype), grad_weight.astype(weight.dtype), grad_h0.astype(h0.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))
-def _backward_call(grad_output, grad_h_n, output, weight, h0, *, nonlinearity: str, interpret: bool,
+def _backward_call(grad_output, grad_h_n, output, weight, h0, lengths, *, nonlinearity: str, interpret: bool,
                    blocks: tiling.RecurrenceBlocks):
     T, B, F = output.shape
     specs = _recurrence_grid(output.shape, blocks, reverse_time=True)
@@ -423,7 +481,8 @@ def _backward_call(grad_output, grad_h_n, output, weight, h0, *, nonlinearity: s
         lambda b, f, t: (jnp.maximum(specs.time_block_of(t) * blocks.time - 1, 0), b, f),
     )
     kernel = functools.partial(_backward_kernel, nonlinearity=nonlinearity, interpret=interpret,
-                               **specs.kernel_options)
+                               has_lengths=lengths is not None, **specs.kernel_options)
+    optional = [] if lengths is None else [lengths]
     itemsize = output.dtype.itemsize
     grad_x, grad_h0, grad_weight_rows = pl.pallas_call(
         kernel,
@@ -434,7 +493,7 @@ def _backward_call(grad_output, grad_h_n, output, weight, h0, *, nonlinearity: s
         ),
         grid=specs.grid,
         in_specs=[specs.sequence_spec, specs.state_spec, specs.sequence_spec, previous_row_spec,
-                  specs.weight_spec, specs.state_spec],
+                  specs.weight_spec, specs.state_spec] + [specs.lengths_spec] * len(optional),
         out_specs=(specs.sequence_spec, specs.state_spec, specs.state_spec),
         scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
@@ -445,6 +504,6 @@ def _backward_call(grad_output, grad_h_n, output, weight, h0, *, nonlinearity: s
         ),
         interpret=interpret,
         name=f"indrnn_backward_{nonlinearity}",
-    )(grad_output, grad_h_n, output, output, weight.reshape(1, F), h0)
+    )(grad_output, grad_h_n, output, output, weight.reshape(1, F), h0, *optional)
     grad_weight = jnp.sum(grad_weight_rows, axis=0).astype(weight.dtype)
     return grad_x, grad_weight, grad_h0

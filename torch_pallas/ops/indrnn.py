@@ -7,6 +7,8 @@ backward kernel takes the activation's derivative from ``h_t``.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -16,11 +18,14 @@ from torch_pallas.kernels import indrnn as indrnn_kernels
 
 
 @torch.library.custom_op("torch_pallas::indrnn", mutates_args=())
-def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h_t = act(x_t + weight * h_{t-1})`` over ``x`` (T, B, F); returns (output, h_n). Pre-checked."""
+def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
+           nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h_t = act(x_t + weight * h_{t-1})`` over ``x`` (T, B, F); returns (output, h_n).
+    Row b runs ``t < lengths[b]`` (int32 (B,)) when given. Pre-checked."""
     if x.numel() == 0:
         return torch.empty_like(x), h0.to(x.dtype, copy=True)
-    output, h_n = bridge.call(indrnn_kernels.indrnn_forward, x, weight, h0, nonlinearity=nonlinearity)
+    optional = () if lengths is None else (lengths,)
+    output, h_n = bridge.call(indrnn_kernels.indrnn_forward, x, weight, h0, *optional, nonlinearity=nonlinearity)
     return output, h_n
 
 
@@ -31,12 +36,15 @@ def _(x, weight, h0, *options):
 
 @torch.library.custom_op("torch_pallas::indrnn_backward", mutates_args=())
 def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: torch.Tensor, weight: torch.Tensor,
-                    h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    h0: torch.Tensor, lengths: Optional[torch.Tensor],
+                    nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (x, weight, h0) of :func:`indrnn` from its saved outputs."""
     if output.numel() == 0:
         return torch.zeros_like(output), torch.zeros_like(weight), grad_h_n.to(h0.dtype, copy=True)
+    optional = () if lengths is None else (lengths,)
     grad_x, grad_weight, grad_h0 = bridge.call(
-        indrnn_kernels.indrnn_backward, grad_output, grad_h_n, output, weight, h0, nonlinearity=nonlinearity)
+        indrnn_kernels.indrnn_backward, grad_output, grad_h_n, output, weight, h0, *optional,
+        nonlinearity=nonlinearity)
     return grad_x, grad_weight, grad_h0
 
 
@@ -46,21 +54,21 @@ def _(grad_output, grad_h_n, output, weight, h0, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    _, weight, h0, nonlinearity = inputs
+    _, weight, h0, lengths, nonlinearity = inputs
     sequence, _ = output  # the op returns (output, h_n)
-    ctx.save_for_backward(sequence, weight, h0)
+    ctx.save_for_backward(sequence, weight, h0, lengths)
     ctx.nonlinearity = nonlinearity
 
 
 def _backward(ctx, grad_output, grad_h_n):
-    output, weight, h0 = ctx.saved_tensors
+    output, weight, h0, lengths = ctx.saved_tensors
     if grad_output is None:
         grad_output = torch.zeros_like(output)
     if grad_h_n is None:
         grad_h_n = torch.zeros_like(h0)
     grad_x, grad_weight, grad_h0 = indrnn_backward(
-        grad_output.to(output.dtype), grad_h_n, output, weight, h0, ctx.nonlinearity)
-    return grad_x, grad_weight, grad_h0, None
+        grad_output.to(output.dtype), grad_h_n, output, weight, h0, lengths, ctx.nonlinearity)
+    return grad_x, grad_weight, grad_h0, None, None
 
 
 indrnn.register_autograd(_backward, setup_context=_setup_context)
@@ -81,7 +89,8 @@ class _IndRNN(torch.autograd.Function):
             "torch.autograd.forward_ad); use reverse mode: torch.func.grad, vjp or jacrev")
 
 
-def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
+          nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`indrnn`, differentiable under autograd, ``torch.func``'s reverse-mode
     transforms and ``torch.compile``."""
-    return _autograd.call(_IndRNN, indrnn, x, weight, h0, nonlinearity)
+    return _autograd.call(_IndRNN, indrnn, x, weight, h0, lengths, nonlinearity)
