@@ -59,7 +59,7 @@ def resolve_impl(impl) -> str:
     if impl == prng.HARDWARE and not bridge.on_tpu():
         raise ValueError(
             "impl='hardware' uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
-            "use impl='threefry' (the default off TPU) here")
+            "use impl='threefry' (the default) here")
     return impl
 
 

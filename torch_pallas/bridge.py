@@ -72,8 +72,15 @@ def interpret_mode() -> bool:
 
 
 def default_noise_impl() -> str:
-    """``"hardware"`` on TPU, ``"threefry"`` elsewhere."""
-    return "hardware" if on_tpu() else "threefry"
+    """``"threefry"`` on every platform.
+
+    On TPU the hardware PRNG is opt-in (``impl="hardware"``): reseeding it per (8, 128) tile,
+    as the block-invariance contract needs, compiles to a threefry hash of a whole vector
+    register per tile, and libtpu's schedule for it is 2-4x longer than threefry's on
+    v4/v5e/v5p/v6e (``bench/results/tpu_cost.md``). Threefry is also bit for bit
+    ``jax.random`` on every backend.
+    """
+    return "threefry"
 
 
 def xla_device(device=None) -> torch.device:

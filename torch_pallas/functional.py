@@ -39,8 +39,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         generator (torch.Generator, optional): a CPU generator to draw the key from.
             Without ``seed`` or ``generator`` a fresh key is drawn from the XLA device's RNG
             (seeded by ``torch_xla.manual_seed``) on every call.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            ``"hardware"`` on TPU, ``"threefry"`` elsewhere.
+        impl (str, optional): ``"threefry"`` (default) or ``"hardware"`` (TPU only, opt-in:
+            see :func:`torch_pallas.bridge.default_noise_impl`).
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
             at every index of the first dim (for a recurrent net's time-major sequence:
             the same mask at every time step). Default: ``False``.

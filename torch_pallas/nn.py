@@ -48,7 +48,7 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
         inplace (bool): write the result into the input and return it, as
             :class:`torch.nn.Dropout` does. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
 
     Shape:
         - Input: any shape; in training mode float32, bfloat16 or float16 on an XLA device.
@@ -72,7 +72,7 @@ _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`
     Args:
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
         inplace (bool): write the result into the input and return it. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
 
     Shape:
         - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16 or

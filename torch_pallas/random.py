@@ -1,10 +1,11 @@
 """Block-invariant random tensors on XLA devices: ``uniform``, ``normal``, ``bernoulli``.
 
-With the portable generator (``impl="threefry"``, the default off TPU) the result is bit for
+With the portable generator (``impl="threefry"``, the default everywhere) the result is bit for
 bit ``jax.random.uniform / normal / bernoulli(jax.random.key(seed), shape)`` (x64 key
 semantics, see :mod:`torch_pallas.seeds`), whatever block size the kernel uses; ``normal``'s
-final ``erf_inv`` may differ from JAX's by a few ulps (3 seen) in float32. With ``impl="hardware"`` (the
-default on TPU) the TPU's hardware PRNG is used: faster there, not bit-compatible with JAX.
+final ``erf_inv`` may differ from JAX's by a few ulps (3 seen) in float32. With ``impl="hardware"`` (TPU
+only, opt-in) the TPU's hardware PRNG is used: not bit-compatible with JAX, and as written
+slower than threefry on TPU (``bench/results/tpu_cost.md``).
 
 Seeds: ``seed=`` gives the same tensor every call; ``generator=`` (a CPU ``torch.Generator``)
 draws a key from it; with neither, a key is drawn on the device from the XLA RNG, which
@@ -38,7 +39,7 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         device (torch.device, optional): the XLA device; default ``torch_xla.device()``.
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
         impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
-            ``"hardware"`` (TPU only); default ``"hardware"`` on TPU, ``"threefry"`` elsewhere.
+            ``"hardware"`` (TPU only); default ``"threefry"``.
 
     Returns:
         Tensor: on the XLA device, of ``shape`` and ``dtype``.

@@ -41,7 +41,7 @@ class route_dropout(TorchFunctionMode):
     routed: a warning says so (once per call site).
 
     Args:
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default per platform.
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
 
     Raises:
         ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
