@@ -48,13 +48,18 @@ def wait_for_xla(outputs=()) -> None:
     execution on the CPU client (a dropout timed at 4 ms that takes 25 ms in JAX directly),
     so one element of every output is put in the same graph and fetched: a buffer cannot be
     read before it has been computed. The fetch costs a few bytes.
+
+    The element is taken by slicing every dimension, not as ``t.reshape(-1)[:1]``: torch_xla
+    makes the flattened view a graph output of its own, which XLA must copy into a fresh
+    full-size buffer (an extra pass over the tensor and, on the CPU client, a page fault per
+    4 KiB of it on every run). Sliced in place, the views it keeps are at most ``t[:1]``.
     """
     import torch
     import torch_xla
 
     tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
                if isinstance(t, torch.Tensor) and t.numel()]
-    probes = [t.reshape(-1)[:1] for t in tensors]
+    probes = [t[(slice(0, 1),) * t.dim()] for t in tensors]
     torch_xla.sync()
     for probe in probes:
         probe.cpu()

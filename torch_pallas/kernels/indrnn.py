@@ -367,26 +367,43 @@ def _backward_kernel(
         return (jnp.where(running, weight * grad_pre_activation, future_grad),
                 grad_weight_rows + grad_pre_activation * hidden_before)
 
-    def run_steps(num_steps: int):
-        # Steps num_steps-1 .. 1 find h_{i-1} in this block. Reading it again rather
-        # than carrying it from the previous iteration measured faster in
-        # interpret mode (one XLA fusion and copy fewer per step).
-        def step(j, carry):
-            i = num_steps - 1 - j
-            return backprop_step(i, output_ref[i - 1].astype(jnp.float32), carry)
-
-        # Accumulating onto the running sum (not a per-block partial added at the
-        # end) keeps the float32 summation order independent of block_t, so every
-        # block shape gives bit-identical gradients.
-        carry = (future_grad_ref[...], grad_weight_rows_ref[...])
-        carry = _unrolled_loop(num_steps - 1, step, carry, unroll)
+    def block_start_hidden():
         # Step 0 needs the previous block's last state, or h0 for the first block.
-        hidden_before = jnp.where(
+        return jnp.where(
             time_block == 0,
             h0_ref[...].astype(jnp.float32),
             previous_row_ref[...].astype(jnp.float32),
         )
-        future_grad, grad_weight_rows = backprop_step(0, hidden_before, carry)
+
+    def run_steps(num_steps: int):
+        # Accumulating onto the running sum (not a per-block partial added at the
+        # end) keeps the float32 summation order independent of block_t, so every
+        # block shape gives bit-identical gradients.
+        carry = (future_grad_ref[...], grad_weight_rows_ref[...])
+        if interpret:
+            # Every step, step 0 included, inside the one loop: a step 0 peeled off after
+            # the loop becomes, in interpret mode, a dynamic-update-slice of grad_x outside
+            # XLA's while loop, which XLA may not do in place (it copied the whole
+            # (T, B, F) gradient for it when the result was also read elsewhere in the
+            # graph). The select costs a (B, F) operation per step here, nothing else.
+            boundary = block_start_hidden()
+
+            def step(j, carry):
+                i = num_steps - 1 - j
+                hidden_before = jnp.where(i == 0, boundary,
+                                          output_ref[jnp.maximum(i - 1, 0)].astype(jnp.float32))
+                return backprop_step(i, hidden_before, carry)
+
+            future_grad, grad_weight_rows = _unrolled_loop(num_steps, step, carry, unroll)
+        else:
+            # Steps num_steps-1 .. 1 find h_{i-1} in this block. Reading it again rather
+            # than carrying it from the previous iteration is one copy fewer per step.
+            def step(j, carry):
+                i = num_steps - 1 - j
+                return backprop_step(i, output_ref[i - 1].astype(jnp.float32), carry)
+
+            carry = _unrolled_loop(num_steps - 1, step, carry, unroll)
+            future_grad, grad_weight_rows = backprop_step(0, block_start_hidden(), carry)
         future_grad_ref[...] = future_grad
         grad_weight_rows_ref[...] = grad_weight_rows
 
