@@ -3,8 +3,11 @@ dropout, forward and forward+backward, float32 and bfloat16, 2**16 to 2**24 elem
 
 Floor (per element, forward+backward): read x, write y, read the gradient, write its input
 gradient: 4 passes of the dtype's bytes, plus the noise: 2 threefry2x32 evaluations (forward
-and backward) of 20 rounds (~100 uint32 ops each). torch's dropout moves 1 more byte per
-element (the saved mask) each way and draws its noise once.
+and backward; ~120 uint32 vector ops per element each, counted in bench/results/tpu_cost.md).
+torch's dropout moves 1 more byte per element (the saved mask) each way and draws its noise
+once. Both floors are measured here, on the same XLA device: the memory floor is 2x the time
+of ``x * 2`` (one read and one write pass), the noise floor 2x the time of
+``torch_pallas.random.uniform`` of the same shape (the threefry work plus one write).
 """
 
 from __future__ import annotations
@@ -39,11 +42,20 @@ def implementations():
     }
 
 
+def measure_floors(shape, dtype, repeats):
+    x = torch.randn(shape, dtype=dtype).to(torch_xla.device())
+    copy = time_xla(lambda: x * 2, repeats=repeats)
+    noise = time_xla(lambda: torch_pallas.random.uniform(shape, dtype=dtype, seed=0), repeats=repeats)
+    return {"memory_floor_ms": 2 * copy.min_ms, "noise_floor_ms": 2 * noise.min_ms,
+            "copy_GBps": 2 * x.numel() * x.element_size() / copy.min_ms / 1e6}
+
+
 def measure(sizes, dtypes, repeats):
     rows = []
     for dtype in dtypes:
         for size in sizes:
             shape = (size // 1024, 1024)
+            floors = measure_floors(shape, dtype, repeats)
             for name, (dropout, device) in implementations().items():
                 x = torch.randn(shape, dtype=dtype).to(torch_xla.device() if device == "xla" else "cpu")
                 x.requires_grad_()
@@ -64,6 +76,7 @@ def measure(sizes, dtypes, repeats):
                     "forward": timer(forward, repeats=repeats),
                     "forward_backward": timer(forward_backward, repeats=repeats),
                     "saved_bytes": saved_bytes(dropout, x),
+                    **(floors if name == "torch_pallas (XLA)" else {}),
                 })
     return rows
 
@@ -83,9 +96,18 @@ def report(rows, mode):
         ["implementation", "dtype", "elements", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ms (min)",
          "fwd+bwd ratio",
          "bytes saved for backward", "compile s (warm-up)", "compiles after warm-up"], table)
+    floors = [[r["dtype"], f"2^{r['elements'].bit_length() - 1}", r["forward_backward"].min_ms,
+               r["memory_floor_ms"], r["noise_floor_ms"], r["copy_GBps"],
+               r["forward_backward"].min_ms / max(r["memory_floor_ms"], r["noise_floor_ms"])]
+              for r in rows if "memory_floor_ms" in r]
     md += ("\nRatios are to torch's own dropout on the same XLA device (lower is faster), from medians; "
            "compile time is reported separately. fwd+bwd materialises both the output and the input gradient. Target: torch_pallas fwd+bwd ratio <= 1.0 "
            "(aim 0.6) at 2^22 elements.\n")
+    md += ("\nFloors of torch_pallas's fwd+bwd, measured in the same run (min times): memory = 4 passes "
+           "of the tensor at the bandwidth of `x * 2` on the same device; noise = 2 threefry draws, "
+           "2x `torch_pallas.random.uniform` of the same shape. The larger one is the floor.\n\n")
+    md += markdown_table(["dtype", "elements", "torch_pallas fwd+bwd ms (min)", "memory floor ms", "noise floor ms",
+                          "copy GB/s", "fwd+bwd / floor"], floors)
 
     def plot(path):
         import matplotlib.pyplot as plt

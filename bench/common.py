@@ -139,6 +139,7 @@ def machine() -> dict:
         "torch_xla": torch_xla.__version__, "jax": jax.__version__, "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "gpu": "not measured: no accelerator was lent to the session that produced these results",
+        "allocator": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "default",
     }
 
 
@@ -155,7 +156,8 @@ def write(name: str, payload: dict, table_md: str, plot) -> None:
               f"{payload['machine']['cores']} cores, PJRT_DEVICE={payload['machine']['pjrt_device']}; "
               f"torch {payload['machine']['torch']}, torch_xla {payload['machine']['torch_xla']}, "
               f"jax {payload['machine']['jax']}; mode: {payload.get('mode')}; {payload['machine']['date']}. "
-              f"GPU: {payload['machine']['gpu']}.\n\n")
+              f"GPU: {payload['machine']['gpu']}. glibc malloc: {payload['machine']['allocator']} (set by `./dev bench`). "
+              f"Every row of this file was measured in one process, one after another.\n\n")
     (RESULTS / f"{name}.md").write_text(header + table_md)
     if plot is not None:
         import matplotlib
