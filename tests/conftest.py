@@ -15,6 +15,10 @@ from torch_pallas import bridge  # noqa: E402
 
 ON_TPU = bridge.on_tpu()
 
+# tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
+# its own (which sets TORCH_PALLAS_HLO_DUMP).
+collect_ignore = [] if os.environ.get("TORCH_PALLAS_HLO_DUMP") else ["spmd"]
+
 
 def pytest_collection_modifyitems(config, items):
     if ON_TPU:

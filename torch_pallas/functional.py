@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from torch_pallas import _checks, seeds
+from torch_pallas import _checks, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.ops import dropout as dropout_op, indrnn as indrnn_op
 
@@ -15,7 +15,8 @@ __all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
-            generator=None, impl=None, shared_over_first_dim: bool = False) -> torch.Tensor:
+            generator=None, impl=None, shared_over_first_dim: bool = False, mesh=None,
+            partition_spec=None) -> torch.Tensor:
     r"""Randomly zeroes elements of ``x`` with probability ``p`` and scales the rest by :math:`1/(1-p)`.
 
     Like :func:`torch.nn.functional.dropout`, but the mask comes from a PRNG key and is
@@ -44,6 +45,13 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
             at every index of the first dim (for a recurrent net's time-major sequence:
             the same mask at every time step). Default: ``False``.
+        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
+            in SPMD mode, how ``x`` is sharded, as ``xs.mark_sharding`` takes it. Default: the
+            sharding ``x`` carries, read in eager mode (an intermediate activation has none
+            yet, and under ``torch.compile`` none is visible; see the README's SPMD section).
+
+    A sharded ``x`` is processed shard by shard on its devices, forward and backward, and the
+    output and gradient keep its sharding; the mask is the unsharded one.
 
     Returns:
         Tensor: same shape and dtype as ``x`` (a new tensor unless ``x`` is returned as is
@@ -54,8 +62,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             ``p``, ``seed`` or ``generator`` has the wrong type.
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, a seed outside :math:`[0, 2^{64})`,
             both ``seed`` and ``generator``, an unknown ``impl``, ``impl="hardware"`` off
-            TPU, ``x`` not on an XLA device, 2**32 or more elements, or
-            ``shared_over_first_dim`` with a 0-dim ``x``.
+            TPU, ``x`` not on an XLA device, 2**32 or more elements,
+            ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
+            sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
+            ``impl="hardware"``).
 
     Example::
 
@@ -68,7 +78,11 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             raise ValueError("shared_over_first_dim needs an input with at least one dimension")
 
     def masked(key_data, p, impl):
-        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim)
+        if mesh is None and partition_spec is None:
+            layout = sharding.resolve_noise(x, "x", impl, shared_over_first_dim)
+        else:
+            layout = sharding.requested(mesh, partition_spec, x.shape, "x", impl, shared_over_first_dim)
+        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None, layout)
 
     return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
 
@@ -179,7 +193,7 @@ dropout3d.__doc__ = _FEATURE_DROPOUT_DOC.format(
 
 
 def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None, *, nonlinearity: str = "relu",
-           batch_first: bool = False, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
+           batch_first: bool = False, lengths=None, mesh=None, partition_spec=None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Runs the IndRNN recurrence :math:`h_t = \sigma(x_t + w \odot h_{t-1})` over a sequence.
 
     Every feature has its own recurrent weight, so the recurrence is elementwise: one Pallas
@@ -201,6 +215,12 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
             state, and nothing flows back from the padding. The lengths are data for the
             kernels: new values do not recompile. Integers in :math:`[0, T]` (checked when
             they are a list or a CPU tensor; on an XLA device they are clipped to it).
+        mesh, partition_spec (optional): in SPMD mode, how ``x`` is sharded, as for
+            :func:`dropout` (default: the sharding ``x`` carries, in eager mode).
+
+    An SPMD-sharded ``x`` (``xs.mark_sharding``) split over batch and/or features runs shard
+    by shard on its devices, forward and backward; the weight gradient is summed over the
+    batch shards in a fixed order.
 
     Returns:
         (Tensor, Tensor): ``output`` (x's shape and dtype: every :math:`h_t`) and ``h_n``
@@ -209,8 +229,9 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     Raises:
         TypeError: a non-tensor or a non-float tensor (integer dtypes included).
         ValueError: ``x`` not 3-D, ``weight`` not ``(F,)``, ``h0`` not ``(B, F)``, an
-            unknown ``nonlinearity``, a tensor not on an XLA device, or ``lengths`` not
-            ``(B,)`` integers in :math:`[0, T]`.
+            unknown ``nonlinearity``, a tensor not on an XLA device, ``lengths`` not
+            ``(B,)`` integers in :math:`[0, T]`, or an SPMD-sharded ``x`` split along time
+            or into uneven shards.
 
     Example::
 
@@ -238,6 +259,24 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     if lengths is not None:
         lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
-    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity)
+    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity,
+                                  _time_major_sharding(x, time_major.shape, batch_first, mesh, partition_spec))
     return (output.transpose(0, 1) if batch_first else output), h_n
 
+
+def _time_major_sharding(x: torch.Tensor, time_major_shape, batch_first: bool, mesh, partition_spec) -> str | None:
+    """The text of the sharding of ``x`` seen time-major, when it is sharded."""
+    if mesh is None and partition_spec is None:
+        found = sharding.resolve(x)
+    else:
+        found = sharding.Sharding.parse(sharding.requested(mesh, partition_spec, x.shape, "x") or "")
+    if found is None:
+        return None
+    if batch_first:
+        found = found.permute((1, 0, 2))
+    if found.tiles[0] > 1:
+        raise ValueError(
+            f"x is split along time into {found.tiles[0]} shards; IndRNN runs each sequence's steps in "
+            "order on one device: shard x over batch and/or features only")
+    found.shard_shape(time_major_shape, "x")
+    return found.text

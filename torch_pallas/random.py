@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, seeds
+from torch_pallas import _checks, seeds, sharding
 from torch_pallas.ops import sampling as sampling_op
 
 __all__ = ["uniform", "normal", "bernoulli"]
 
 
-def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl):
+def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec):
     shape = _checks.check_shape(shape)
     impl = _checks.resolve_impl(impl)
+    layout = sharding.requested(mesh, partition_spec, shape, "shape", impl)
     key_data = seeds.key_data(seed=seed, generator=generator, device=device)
-    return sampling_op.sample(key_data, shape, distribution, dtype, p, impl)
+    return sampling_op.sample(key_data, shape, distribution, dtype, p, impl, layout)
 
 
-def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None) -> torch.Tensor:
+def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,
+            partition_spec=None) -> torch.Tensor:
     r"""Returns a tensor of ``shape`` filled with numbers drawn uniformly from :math:`[0, 1)`.
 
     Args:
@@ -40,6 +42,11 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
         impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
             ``"hardware"`` (TPU only); default ``"threefry"``.
+        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
+            in SPMD mode (``torch_xla.runtime.use_spmd()``), return a tensor sharded as
+            ``xs.mark_sharding(t, mesh, partition_spec)`` would shard it, each device drawing
+            only its own shard: the numbers are those of the unsharded tensor. Give both or
+            neither.
 
     Returns:
         Tensor: on the XLA device, of ``shape`` and ``dtype``.
@@ -47,7 +54,11 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
     Raises:
         TypeError: a non-integer size or seed, a non-float ``dtype``.
         ValueError: a negative size, a seed outside :math:`[0, 2^{64})`, both ``seed`` and
-            ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a non-XLA ``device``.
+            ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a non-XLA ``device``,
+            ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
+            partition spec of another rank than ``shape``, or a sharding the kernel cannot
+            take (uneven shards, more than two split dims besides the first,
+            ``impl="hardware"``).
 
     Example::
 
@@ -56,19 +67,23 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         'xla'
     """
     _checks.check_float_dtype(dtype)
-    return _sample("uniform", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl)
+    return _sample("uniform", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl,
+                   mesh=mesh, partition_spec=partition_spec)
 
 
-def normal(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None) -> torch.Tensor:
+def normal(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,
+           partition_spec=None) -> torch.Tensor:
     r"""Returns a tensor of ``shape`` filled with standard normal numbers (mean 0, variance 1).
 
     Arguments, result and errors are those of :func:`uniform`.
     """
     _checks.check_float_dtype(dtype)
-    return _sample("normal", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl)
+    return _sample("normal", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl,
+                   mesh=mesh, partition_spec=partition_spec)
 
 
-def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None) -> torch.Tensor:
+def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None, mesh=None,
+              partition_spec=None) -> torch.Tensor:
     r"""Returns a ``torch.bool`` tensor of ``shape`` whose elements are True with probability ``p``.
 
     An element is True when its float32 uniform number is below ``float32(p)``, as in
@@ -78,7 +93,7 @@ def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None
     Args:
         shape (int or sequence of ints): the output's shape.
         p (float): the probability of True, in :math:`[0, 1]`.
-        seed, generator, device, impl: as in :func:`uniform`.
+        seed, generator, device, impl, mesh, partition_spec: as in :func:`uniform`.
 
     Raises:
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, and the errors of :func:`uniform`.
@@ -86,4 +101,4 @@ def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None
     """
     p = _checks.check_probability(p)
     return _sample("bernoulli", shape, p=p, seed=seed, generator=generator, device=device,
-                   dtype=torch.float32, impl=impl)
+                   dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec)

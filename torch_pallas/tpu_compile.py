@@ -55,3 +55,25 @@ def compile_for_tpu(function, *args: jax.ShapeDtypeStruct, generation: str):
     sharding = jax.sharding.SingleDeviceSharding(tpu_device(generation))
     on_tpu = [jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=sharding) for arg in args]
     return jax.jit(function).lower(*on_tpu).compile()
+
+
+def compile_sharded_for_tpu(function, in_specs, out_specs, *args: jax.ShapeDtypeStruct, generation: str):
+    """Compiles ``function`` as it runs on sharded tensors: under ``shard_map`` over the 4
+    chips of ``generation``'s 2x2 topology (mesh axes ``("data", "model")``), each chip
+    running ``function`` on its shards of ``args`` (global shapes, split as ``in_specs``
+    say). The same per-shard program torch_xla runs under manual sharding.
+
+    Raises:
+        ValueError, jax.errors.JaxRuntimeError: as :func:`compile_for_tpu`.
+    """
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    tpu_device(generation)  # checks the name
+    from jax.experimental import topologies
+    devices = topologies.get_topology_desc(topology_name=GENERATIONS[generation], platform="tpu").devices
+    mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+    on_tpu = [jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=NamedSharding(mesh, spec))
+              for arg, spec in zip(args, in_specs)]
+    per_shard = jax.shard_map(function, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+    return jax.jit(per_shard).lower(*on_tpu).compile()

@@ -105,3 +105,48 @@ def test_bad_arguments_raise():
         sampling.uniform(key_data(0), (64, 1024), interpret=True, blocks=Blocks(3, 100))
     with pytest.raises(ValueError, match="2\\*\\*32"):
         sampling.uniform(key_data(0), (2**16, 2**16), interpret=True)
+
+
+# A shard of a sharded tensor: (global shape, shards per dim, blocks). Split rows (one
+# contiguous run), columns (a row stride), both, and the middle and last dims of a 3-D
+# tensor (the kernel's outer grid axis), with forced blocks that do not divide the shard.
+SHARDED = [((16, 256), (4, 1), None), ((16, 256), (1, 4), None), ((16, 256), (2, 2), None),
+           ((8, 12, 256), (1, 2, 2), None), ((8, 12, 256), (2, 1, 2), Blocks(8, 128)),
+           ((6, 4, 8, 256), (1, 2, 1, 2), Blocks(8, 128, True))]
+sample_shard = jax.jit(sampling.sample, static_argnames=(
+    "shape", "distribution", "interpret", "blocks", "global_shape"))
+
+
+@pytest.mark.parametrize("global_shape,tiles,blocks", SHARDED)
+def test_every_shard_holds_its_part_of_the_unsharded_numbers(global_shape, tiles, blocks):
+    seed = SEEDS[3]
+    expected = np.asarray(jax.random.uniform(jax_key(seed), global_shape))
+    shard = tuple(size // count for size, count in zip(global_shape, tiles))
+    strides = [int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
+    for index in np.ndindex(*tiles):
+        start = [i * size for i, size in zip(index, shard)]
+        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+        got = sample_shard(key_data(seed), shape=shard, distribution="uniform", interpret=True, blocks=blocks,
+                           global_shape=global_shape, shard_offset=offset)
+        part = tuple(slice(s, s + size) for s, size in zip(start, shard))
+        np.testing.assert_array_equal(as_bits(got), as_bits(expected[part]), err_msg=str(index))
+
+
+def test_index_dims_merge_what_a_stride_allows():
+    from torch_pallas.kernels.elementwise import index_dims
+    assert index_dims((16, 256), (16, 256)) == [(4096, 1)]
+    assert index_dims((4, 256), (16, 256)) == [(1024, 1)]
+    assert index_dims((16, 64), (16, 256)) == [(16, 256), (64, 1)]
+    assert index_dims((8, 6, 128), (8, 12, 256)) == [(8, 3072), (6, 256), (128, 1)]
+    assert index_dims((5, 7), (5, 7), shared_over_first_dim=True) == [(5, 0), (7, 1)]
+    assert index_dims((5, 1), (5, 1), shared_over_first_dim=True) == [(5, 0), (1, 1)]
+
+
+def test_shards_the_kernel_cannot_follow_are_refused():
+    # Three split dims besides the first need four strides.
+    with pytest.raises(ValueError, match="at most two split dims"):
+        sampling.uniform(key_data(0), (2, 2, 2, 128), interpret=True, global_shape=(2, 4, 4, 256),
+                         shard_offset=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="threefry"):
+        sampling.uniform(key_data(0), (8, 128), interpret=False, impl="hardware", global_shape=(16, 128),
+                         shard_offset=np.zeros(1, np.int32))

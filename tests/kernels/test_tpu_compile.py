@@ -17,7 +17,9 @@ from conftest import ON_TPU
 from torch_pallas import tpu_compile
 from torch_pallas.kernels import dropout, indrnn, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
-from torch_pallas.tpu_compile import GENERATIONS, compile_for_tpu
+from jax.sharding import PartitionSpec as P
+
+from torch_pallas.tpu_compile import GENERATIONS, compile_for_tpu, compile_sharded_for_tpu
 
 pytestmark = [
     pytest.mark.tpu_compile,
@@ -38,6 +40,15 @@ RECURRENCE_SHAPES = {"tiny": (16, 8, 128), "ragged": (37, 3, 200), "T1000-B1": (
                      "large": (64, 256, 2048)}
 
 
+# float16 crosses every kernel boundary as float32 (Mosaic has no f16; tiling.widen_float16),
+# so its kernels are the float32 ones: one shape checks the conversions around them.
+FLOAT16_SHAPE = "ragged"
+
+
+def elementwise_shapes(dtype, names=tuple(ELEMENTWISE_SHAPES)):
+    return [ELEMENTWISE_SHAPES[name] for name in names if dtype != "float16" or name == FLOAT16_SHAPE]
+
+
 def compiles(function, *args, generation):
     assert compile_for_tpu(function, *args, generation=generation) is not None
 
@@ -54,7 +65,7 @@ SAMPLERS = [(distribution, dtype) for distribution in ("uniform", "normal") for 
 @pytest.mark.parametrize("impl", prng.IMPLS)
 @pytest.mark.parametrize("distribution,dtype", SAMPLERS)
 def test_sampling(generation, distribution, dtype, impl):
-    for shape in ELEMENTWISE_SHAPES.values():
+    for shape in elementwise_shapes(dtype):
         kernel = functools.partial(sampling.sample, shape=shape, distribution=distribution,
                                    dtype=DTYPES.get(dtype, jnp.float32), p=0.3, impl=impl, interpret=False)
         compiles(kernel, KEY, generation=generation)
@@ -63,7 +74,7 @@ def test_sampling(generation, distribution, dtype, impl):
 @pytest.mark.parametrize("blocks", list(FORCED_BLOCKS))
 @pytest.mark.parametrize("impl", prng.IMPLS)
 def test_sampling_forced_blocks(generation, impl, blocks):
-    for dtype in DTYPES.values():
+    for dtype in (jnp.float32, jnp.bfloat16):
         kernel = functools.partial(sampling.uniform, shape=ELEMENTWISE_SHAPES["large"], dtype=dtype, impl=impl,
                                    interpret=False, blocks=FORCED_BLOCKS[blocks])
         compiles(kernel, KEY, generation=generation)
@@ -77,22 +88,59 @@ def test_dropout(generation, impl, dtype, shared_over_first_dim):
     kernel = functools.partial(dropout.dropout, p=0.1, impl=impl, interpret=False,
                                shared_over_first_dim=shared_over_first_dim)
     # A shared mask needs a leading dim to share over: the 1-D shapes have none worth it.
-    shapes = [ELEMENTWISE_SHAPES[name] for name in (("ragged", "large") if shared_over_first_dim else ELEMENTWISE_SHAPES)]
-    for shape in shapes:
+    for shape in elementwise_shapes(dtype, ("ragged", "large") if shared_over_first_dim else ELEMENTWISE_SHAPES):
         compiles(kernel, KEY, jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
-    for blocks in FORCED_BLOCKS.values():
+    for blocks in FORCED_BLOCKS.values() if dtype != "float16" else ():
         compiles(functools.partial(kernel, blocks=blocks), KEY,
                  jax.ShapeDtypeStruct(ELEMENTWISE_SHAPES["large"], DTYPES[dtype]), generation=generation)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+def _dropout_on_shard(key_data, offsets, x, *, global_shape, **options):
+    return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(1), **options)
+
+
+# (global shape, partition spec): split rows, split columns, both, and a 3-D tensor split
+# along its two last dims (the kernel's outer grid axis), each with and without a shared mask.
+SHARDED_NOISE = [((1024, 2048), P("data", None)), ((1024, 2048), P(None, "model")),
+                 ((1024, 2048), P("data", "model")), ((8, 64, 2048), P(None, "data", "model"))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
+    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    for shape, spec in SHARDED_NOISE:
+        for shared in (False, True):
+            kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False,
+                                       shared_over_first_dim=shared)
+            assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+                                           jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
+
+
 @pytest.mark.parametrize("nonlinearity", indrnn.NONLINEARITIES)
+def test_indrnn_per_shard_on_a_2x2_topology(generation, nonlinearity):
+    T, B, F = 64, 64, 2048
+    sequence, state = jax.ShapeDtypeStruct((T, B, F), jnp.float32), jax.ShapeDtypeStruct((B, F), jnp.float32)
+    weight, lengths = jax.ShapeDtypeStruct((F,), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)
+    seq, st, w, b = P(None, "data", "model"), P("data", "model"), P("model"), P("data")
+    options = dict(nonlinearity=nonlinearity, interpret=False)
+    assert compile_sharded_for_tpu(functools.partial(indrnn.indrnn_forward, **options), (seq, w, st, b), (seq, st),
+                                   sequence, weight, state, lengths, generation=generation)
+    assert compile_sharded_for_tpu(functools.partial(indrnn.indrnn_backward_weight_rows, **options),
+                                   (seq, st, seq, w, st, b), (seq, st, st), sequence, state, sequence, weight, state,
+                                   lengths, generation=generation)
+
+
+# The state and the nonlinearity are computed in float32 whatever the dtype: tanh is compiled
+# with float32 only.
+@pytest.mark.parametrize("nonlinearity,dtype", [("relu", dtype) for dtype in DTYPES] + [("tanh", "float32")])
 def test_indrnn(generation, nonlinearity, dtype):
     cases = [(shape, None, False) for shape in RECURRENCE_SHAPES.values()]
     cases.append((RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), False))
     # Per-row lengths (packed sequences): default and forced blocks, whole and partial batch blocks.
     cases += [(RECURRENCE_SHAPES["ragged"], None, True), (RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), True),
               (RECURRENCE_SHAPES["large"], None, True)]
+    if dtype == "float16":
+        cases = [case for case in cases if case[0] == RECURRENCE_SHAPES[FLOAT16_SHAPE]]
     for (T, B, F), blocks, with_lengths in cases:
         sequence = jax.ShapeDtypeStruct((T, B, F), DTYPES[dtype])
         state = jax.ShapeDtypeStruct((B, F), DTYPES[dtype])

@@ -25,7 +25,8 @@ def _apply_mask(bits, values, *, keep_probability):
 
 
 def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
-            blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False) -> jax.Array:
+            blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False,
+            global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
     """``where(bernoulli(key, 1 - p, x.shape), x / (1 - p), 0)`` in one Pallas kernel.
 
     The forward pass calls it on the activation, the backward pass on the gradient with the
@@ -40,6 +41,9 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
         shared_over_first_dim: one mask ``bernoulli(key, 1 - p, x.shape[1:])`` for every
             index of the first dim (a recurrent net's mask shared over time); needs
             ``x.ndim >= 1``.
+        global_shape, shard_offset: ``x`` is a shard of a tensor of ``global_shape``
+            whose first element is at ``shard_offset`` (see :func:`elementwise.noise_map`):
+            the shard gets its part of that tensor's mask.
 
     Returns:
         An array like ``x``.
@@ -56,7 +60,9 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
         # rounding happens outside the kernel.
         (wide,) = tiling.widen_float16(x)
         return dropout(key_data, wide, p=p, impl=impl, interpret=interpret, blocks=blocks,
-                       shared_over_first_dim=shared_over_first_dim).astype(x.dtype)
+                       shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
+                       shard_offset=shard_offset).astype(x.dtype)
     transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
     return elementwise.noise_map(key_data, x.shape, transform, x.dtype, x, impl=impl, interpret=interpret,
-                                 blocks=blocks, shared_over_first_dim=shared_over_first_dim)
+                                 blocks=blocks, shared_over_first_dim=shared_over_first_dim,
+                                 global_shape=global_shape, shard_offset=shard_offset)

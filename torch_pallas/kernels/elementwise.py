@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -18,13 +19,23 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import prng, tiling
 
 
-def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, chunk_shape, column_major_grid,
-                  shared_over_first_dim):
+def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded,
+                  chunk_shape, column_major_grid):
+    offset_ref, refs = (refs[0], refs[1:]) if sharded else (None, refs)
     out_ref = refs[-1]
     operand_ref = refs[0] if len(refs) == 2 else None
     block_rows, block_cols = out_ref.shape
     chunk_rows, chunk_cols = chunk_shape
-    block_row, block_col = pl.program_id(0), pl.program_id(1)
+    base = None
+    if sharded:
+        # A shard of a larger tensor: the global index of its first element arrives as data,
+        # so one compiled kernel serves every shard.
+        base = offset_ref[0].astype(jnp.uint32)
+    if outer_stride is not None:
+        # The outer grid axis walks a dim of the shard that the 2-D view cannot fold in.
+        base = base + pl.program_id(0).astype(jnp.uint32) * np.uint32(outer_stride)
+    first_axis = 0 if outer_stride is None else 1
+    block_row, block_col = pl.program_id(first_axis), pl.program_id(first_axis + 1)
     if column_major_grid:
         block_row, block_col = block_col, block_row
     row0 = block_row * block_rows
@@ -32,13 +43,16 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, chunk_shape, c
 
     def chunk(row_offset, col_offset):
         rows, cols = pl.ds(row_offset, chunk_rows), pl.ds(col_offset, chunk_cols)
-        if shared_over_first_dim:
-            # Every row gets row 0's bits: draw one row (one tile row for the hardware PRNG).
+        if row_stride == 0:
+            # Every row gets row 0's bits (a mask shared over the first dim): draw one row
+            # (one tile row for the hardware PRNG).
             drawn_rows = tiling.SUBLANES if impl == prng.HARDWARE else 1
-            bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset, num_cols)
+            bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
+                                   view_cols, base)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
         else:
-            bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset, num_cols)
+            bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset,
+                                   row_stride, base)
         if operand_ref is None:
             out_ref[rows, cols] = transform(bits)
         else:
@@ -62,70 +76,134 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, num_cols, chunk_shape, c
     jax.lax.fori_loop(0, num_chunks, step, 0)
 
 
+def index_dims(shape, global_shape, shared_over_first_dim: bool = False) -> list[tuple[int, int]]:
+    """The dims of a tensor of ``shape`` as (size, stride in ``global_shape``'s flat index),
+    size-1 dims dropped and neighbours merged where their strides allow.
+
+    A whole tensor is one dim ``(numel, 1)``; a shard of a tensor split along dims other than
+    the first keeps one more dim per split (a (4, 1024) shard of (16, 4096) at any offset:
+    ``[(4, 4096), (1024, 1)]``). ``shared_over_first_dim`` gives the first dim stride 0: every
+    index along it reads the noise of ``global_shape[1:]``. The last dim always has stride 1.
+    """
+    strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
+    if shared_over_first_dim and strides:
+        strides[0] = 0
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(shape, strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == size * stride:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if not dims or dims[-1][1] != 1:
+        dims.append((1, 1))
+    return dims
+
+
+def check_index_dims(shape, global_shape, shared_over_first_dim: bool = False) -> list[tuple[int, int]]:
+    """:func:`index_dims`, or ValueError when the kernel cannot follow them: its 2-D view plus
+    one outer grid axis give it three strides, enough for any shard of a tensor split along
+    at most two dims (every sharding over a 1-D or 2-D mesh)."""
+    dims = index_dims(shape, global_shape, shared_over_first_dim)
+    if len(dims) > 3:
+        split = [d for d, (size, whole) in enumerate(zip(shape, global_shape)) if size != whole]
+        raise ValueError(f"a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)} is split "
+                         f"along dims {split}; the kernels follow at most two split dims besides the first")
+    return dims
+
+
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
-              shared_over_first_dim: bool = False) -> jax.Array:
+              shared_over_first_dim: bool = False, global_shape=None,
+              shard_offset: jax.Array | None = None) -> jax.Array:
     """``transform(bits[, operand])`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
-    result does not depend on ``blocks`` or (threefry) the backend.
+    result does not depend on ``blocks`` or (threefry) the backend. A shard of a larger
+    tensor (``global_shape``) gets the bits of its elements' indices in that tensor, so the
+    shards of a sharded run together hold exactly the unsharded run's noise.
 
     Args:
         key_data: int32 (2,) threefry key words.
-        shape: the tensor's shape (fewer than 2**32 elements, at least one).
+        shape: the tensor's (or shard's) shape (at least one element).
         transform: ``f(bits)`` or ``f(bits, operand_chunk)`` -> chunk of ``out_dtype``.
         out_dtype: the kernel's output dtype.
         operand: optional array of ``shape`` read elementwise.
         impl, interpret, blocks: see :func:`sampling.sample`.
         shared_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
             of shape ``shape[1:]`` (for example one dropout mask per sequence, shared over
-            time). The kernel then views the tensor as ``(shape[0], prod(shape[1:]))``.
+            time).
+        global_shape: the whole tensor's shape (fewer than 2**32 elements) when ``shape``
+            is a shard of it; default ``shape``.
+        shard_offset: with ``global_shape``, an int32 (1,) array: the flat index in the
+            whole tensor of the shard's first element (with ``shared_over_first_dim``,
+            of its first element along the other dims). Data, not a static value: every
+            shard runs the same compiled kernel.
 
     Raises:
-        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, or blocks that
-            :func:`tiling.resolve_elementwise` rejects.
+        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard, a
+            shard that is split along more than two dims besides the first, or blocks
+            that :func:`tiling.resolve_elementwise` rejects.
     """
     prng.check_impl(impl)
     hardware = impl == prng.HARDWARE
     if hardware and interpret:
         raise ValueError('impl="hardware" runs only compiled on TPU; use impl="threefry" in interpret mode')
-    if shared_over_first_dim:
-        rows, cols = shape[0], math.prod(shape[1:])
-    else:
+    sharded = global_shape is not None
+    if sharded and hardware:
+        raise ValueError('impl="hardware" does not run on shards of a sharded tensor; use impl="threefry"')
+    dims = check_index_dims(shape, global_shape if sharded else shape, shared_over_first_dim)
+    outer, outer_stride = (dims[0][0], dims[0][1]) if len(dims) == 3 else (1, None)
+    if len(dims) == 1:
+        # Contiguous: any 2-D view keeps the flat order, so take the lane-dense one.
         rows, cols = tiling.view_2d(shape)
+        row_stride = cols
+    else:
+        (rows, row_stride), (cols, _) = dims[-2:]
     view_rows, view_cols = rows, cols
     if hardware:
         # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
         view_rows, view_cols = tiling.round_up(rows, tiling.SUBLANES), tiling.round_up(cols, tiling.LANES)
+        row_stride = row_stride and view_cols
     itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
                                         whole_tiles=hardware)
 
     grid = (pl.cdiv(view_rows, blocks.rows), pl.cdiv(view_cols, blocks.cols))
+    block_shape = (blocks.rows, blocks.cols)
     if blocks.column_major_grid:
-        block_spec = pl.BlockSpec((blocks.rows, blocks.cols), lambda j, i: (i, j))
-        grid = grid[::-1]
+        grid, index_map = grid[::-1], lambda j, i: (i, j)
     else:
-        block_spec = pl.BlockSpec((blocks.rows, blocks.cols), lambda i, j: (i, j))
-    in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
+        index_map = lambda i, j: (i, j)  # noqa: E731
+    if outer_stride is not None:
+        grid, block_shape = (outer, *grid), (pl.Squeezed(), *block_shape)
+        index_map = lambda o, *ij, view_index=index_map: (o, *view_index(*ij))  # noqa: E731
+    block_spec = pl.BlockSpec(block_shape, index_map)
+    view_shape = (view_rows, view_cols) if outer_stride is None else (outer, view_rows, view_cols)
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    in_specs = [smem]
     operands = [prng.hardware_key_data(key_data) if hardware else key_data]
+    if sharded:
+        in_specs.append(smem)
+        operands.append(shard_offset)
     if operand is not None:
-        operand = operand.reshape(rows, cols)
-        if (view_rows, view_cols) != (rows, cols):
+        operand = operand.reshape(view_shape if not hardware else (rows, cols))
+        if hardware and (view_rows, view_cols) != (rows, cols):
             operand = jnp.pad(operand, ((0, view_rows - rows), (0, view_cols - cols)))
         in_specs.append(block_spec)
         operands.append(operand)
     kernel = functools.partial(
-        _noise_kernel, impl=impl, transform=transform, num_cols=view_cols,
-        column_major_grid=blocks.column_major_grid, shared_over_first_dim=shared_over_first_dim,
+        _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
+        outer_stride=outer_stride, sharded=sharded, column_major_grid=blocks.column_major_grid,
         chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, whole_tiles=hardware))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((view_rows, view_cols), out_dtype),
+        out_shape=jax.ShapeDtypeStruct(view_shape, out_dtype),
         grid=grid,
         in_specs=in_specs,
         out_specs=block_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid)),
         interpret=interpret,
     )(*operands)
     if (view_rows, view_cols) != (rows, cols):

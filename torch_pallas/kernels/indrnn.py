@@ -485,6 +485,13 @@ def indrnn_backward(
 
 
 @functools.partial(jax.jit, static_argnames=("nonlinearity", "interpret", "blocks"))
+def indrnn_backward_weight_rows(*args, **options):
+    """:func:`indrnn_backward` on one batch shard of a sharded batch, its weight gradient as a
+    ``(1, F)`` row: the shards' rows are summed afterwards in a fixed order."""
+    grad_x, grad_weight, grad_h0 = indrnn_backward(*args, **options)
+    return grad_x, grad_weight[None], grad_h0
+
+
 def _backward_call(grad_output, grad_h_n, output, weight, h0, lengths, *, nonlinearity: str, interpret: bool,
                    blocks: tiling.RecurrenceBlocks):
     T, B, F = output.shape

@@ -98,11 +98,16 @@ def fold_in(key_data: jax.Array, data: int) -> jax.Array:
     return lax.bitcast_convert_type(jnp.stack([y0, y1]), jnp.int32)
 
 
-def block_flat_index(chunk_shape: tuple[int, int], row0, col0, num_cols: int) -> jax.Array:
-    """uint32 global row-major indices of a (rows, cols) block at (row0, col0)."""
+def block_flat_index(chunk_shape: tuple[int, int], row0, col0, row_stride: int, base=None) -> jax.Array:
+    """uint32 global flat indices of a (rows, cols) block at (row0, col0) of a 2-D view whose
+    rows are ``row_stride`` apart (its width, for a whole tensor) and whose element (0, 0)
+    has index ``base`` (a uint32 scalar; ``None``: 0)."""
     rows = lax.broadcasted_iota(jnp.uint32, chunk_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
     cols = lax.broadcasted_iota(jnp.uint32, chunk_shape, 1) + lax.convert_element_type(col0, jnp.uint32)
-    return rows * np.uint32(num_cols) + cols
+    if base is not None:
+        # Added to the scalar first: one vector add.
+        cols = cols + base
+    return rows * np.uint32(row_stride) + cols
 
 
 def hardware_key_data(key_data: jax.Array) -> jax.Array:
@@ -135,16 +140,17 @@ def hardware_tile_bits(hardware_key_ref, tile_index) -> jax.Array:
     return pltpu.bitcast(pltpu.prng_random_bits(TILE), jnp.uint32)
 
 
-def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, num_cols: int) -> jax.Array:
-    """uint32 random bits for the (rows, cols) chunk at global position (row0, col0).
+def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None) -> jax.Array:
+    """uint32 random bits for the (rows, cols) chunk at position (row0, col0) of a 2-D view.
 
-    ``num_cols`` is the width of the whole 2-D view. For ``impl="hardware"`` the chunk is
-    one tile at a tile's position, and ``key_data_ref`` holds :func:`hardware_key_data`.
+    ``row_stride`` and ``base``: see :func:`block_flat_index`. For ``impl="hardware"`` the
+    view is a whole tensor (no ``base``), ``row_stride`` its width, the chunk one tile at a
+    tile's position, and ``key_data_ref`` holds :func:`hardware_key_data`.
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
-        return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, num_cols))
-    return hardware_tile_bits(key_data_ref, tile_index(row0, col0, num_cols))
+        return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, row_stride, base))
+    return hardware_tile_bits(key_data_ref, tile_index(row0, col0, row_stride))
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:

@@ -29,7 +29,8 @@ def check_distribution(distribution: str) -> str:
 
 
 def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, p: float = 0.5,
-           impl: str = prng.THREEFRY, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None) -> jax.Array:
+           impl: str = prng.THREEFRY, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
+           global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
     """Samples a tensor of ``shape`` from ``distribution`` in one Pallas kernel.
 
     Args:
@@ -43,6 +44,9 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
         interpret: run Pallas in interpret mode (any non-TPU backend).
         blocks: blocks of the 2-D view; default chosen per shape and mode. The numbers do
             not depend on it.
+        global_shape, shard_offset: the output is a shard of a tensor of ``global_shape``
+            whose first element is at ``shard_offset`` (see :func:`elementwise.noise_map`):
+            it holds that tensor's numbers at its place.
 
     Raises:
         ValueError: unknown distribution or impl, ``impl="hardware"`` in interpret mode,
@@ -67,7 +71,8 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
     else:
         transform, kernel_dtype = functools.partial(prng.normal_from_bits, dtype=out_dtype), out_dtype
     out = elementwise.noise_map(key_data, shape, transform, kernel_dtype, impl=impl, interpret=interpret,
-                                blocks=blocks).astype(out_dtype)
+                                blocks=blocks, global_shape=global_shape,
+                                shard_offset=shard_offset).astype(out_dtype)
     return prng.normal_from_uniform(out) if float16 and distribution == "normal" else out
 
 

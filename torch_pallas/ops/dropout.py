@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding as sharding_
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks
@@ -18,18 +18,25 @@ from torch_pallas.kernels.tiling import ElementwiseBlocks
 
 @torch.library.custom_op("torch_pallas::dropout", mutates_args=())
 def dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
-            blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]]) -> torch.Tensor:
+            blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
+            sharding: Optional[str] = None) -> torch.Tensor:
     """``where(bernoulli(key, 1 - p), x / (1 - p), 0)``; arguments pre-checked.
 
     ``shared_over_first_dim`` draws one mask of shape ``x.shape[1:]`` for every index of
     the first dim. ``blocks`` / ``backward_blocks`` ((rows, cols) of the kernel's 2-D view,
     or ``None`` for the default) are chosen independently; the mask depends on neither.
+    ``sharding`` (torch_xla's text for x's SPMD sharding): the kernel runs on each device's
+    shard, which gets its part of the unsharded mask (:mod:`torch_pallas.sharding`).
     """
     if x.numel() == 0:
         return torch.empty_like(x)
-    return bridge.call(dropout_kernels.dropout, key_data, x, p=p, impl=impl,
-                       blocks=None if blocks is None else ElementwiseBlocks(*blocks),
-                       shared_over_first_dim=shared_over_first_dim)
+    options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
+                   shared_over_first_dim=shared_over_first_dim)
+    if sharding is not None:
+        dims = tuple(range(x.dim()))
+        return sharding_.call(dropout_kernels.dropout, sharding, [key_data, x], [(None,), dims], [dims],
+                              noise_shape=x.shape, **options)
+    return bridge.call(dropout_kernels.dropout, key_data, x, **options)
 
 
 @dropout.register_fake
@@ -38,22 +45,23 @@ def _(x, key_data, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks = inputs
+    _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding = inputs
     ctx.save_for_backward(key_data)  # 8 bytes: the mask is regenerated, not stored
     ctx.save_for_forward(key_data)
 
 
 def _backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = dropout(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks)
-    return grad_x, None, None, None, None, None, None
+    grad_x = dropout(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding)
+    return grad_x, None, None, None, None, None, None, None
 
 
 dropout.register_autograd(_backward, setup_context=_setup_context)
 
 
 @dropout.register_vmap
-def _(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks):
+def _(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks, sharding=None):
+    # A batched sample is not the tensor the sharding describes: vmap runs on whole tensors.
     x_dim, key_dim = in_dims[:2]
     options = (p, impl)
     samples = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
@@ -82,11 +90,13 @@ class _Dropout(torch.autograd.Function):
     def jvp(ctx, grad_x, *_):
         # Dropout is linear in x: the tangent goes through the same mask.
         (key_data,) = ctx.saved_tensors
-        return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks)
+        return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding)
 
 
 def apply(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool = False,
-          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None) -> torch.Tensor:
+          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
+          sharding: Optional[str] = None) -> torch.Tensor:
     """:func:`dropout`, differentiable under autograd, ``torch.func`` (grad, vjp, jvp,
     vmap) and ``torch.compile``."""
-    return _autograd.call(_Dropout, dropout, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks)
+    return _autograd.call(_Dropout, dropout, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
+                          sharding)

@@ -12,21 +12,29 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding as sharding_
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import indrnn as indrnn_kernels
 
 
 @torch.library.custom_op("torch_pallas::indrnn", mutates_args=())
 def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
-           nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+           nonlinearity: str, sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h_t = act(x_t + weight * h_{t-1})`` over ``x`` (T, B, F); returns (output, h_n).
-    Row b runs ``t < lengths[b]`` (int32 (B,)) when given. Pre-checked."""
+    Row b runs ``t < lengths[b]`` (int32 (B,)) when given. ``sharding``: torch_xla's text for
+    x's SPMD sharding over batch and/or features; each device runs its shard. Pre-checked."""
     if x.numel() == 0:
         return torch.empty_like(x), h0.to(x.dtype, copy=True)
     optional = () if lengths is None else (lengths,)
+    if sharding is not None:
+        return sharding_.call(indrnn_kernels.indrnn_forward, sharding, [x, weight, h0, *optional],
+                              [_SEQUENCE, _FEATURES, _STATE, _BATCH], [_SEQUENCE, _STATE], nonlinearity=nonlinearity)
     output, h_n = bridge.call(indrnn_kernels.indrnn_forward, x, weight, h0, *optional, nonlinearity=nonlinearity)
     return output, h_n
+
+
+# How each operand follows the (time, batch, features) sharding of the sequence.
+_SEQUENCE, _STATE, _FEATURES, _BATCH = (0, 1, 2), (1, 2), (2,), (1,)
 
 
 @indrnn.register_fake
@@ -37,11 +45,21 @@ def _(x, weight, h0, *options):
 @torch.library.custom_op("torch_pallas::indrnn_backward", mutates_args=())
 def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: torch.Tensor, weight: torch.Tensor,
                     h0: torch.Tensor, lengths: Optional[torch.Tensor],
-                    nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    nonlinearity: str, sharding: Optional[str] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (x, weight, h0) of :func:`indrnn` from its saved outputs."""
     if output.numel() == 0:
         return torch.zeros_like(output), torch.zeros_like(weight), grad_h_n.to(h0.dtype, copy=True)
     optional = () if lengths is None else (lengths,)
+    if sharding is not None:
+        grad_x, grad_weight_rows, grad_h0 = sharding_.call(
+            indrnn_kernels.indrnn_backward_weight_rows, sharding,
+            [grad_output, grad_h_n, output, weight, h0, *optional],
+            [_SEQUENCE, _STATE, _SEQUENCE, _FEATURES, _STATE, _BATCH], [_SEQUENCE, _STATE, _STATE],
+            nonlinearity=nonlinearity)
+        # One row per batch shard: gathered (B/shard rows, not activations) and summed in
+        # order, so the weight gradient does not depend on a reduction's order.
+        return grad_x, sharding_.sum_rows_in_order(grad_weight_rows, sharding, _STATE, weight), grad_h0
     grad_x, grad_weight, grad_h0 = bridge.call(
         indrnn_kernels.indrnn_backward, grad_output, grad_h_n, output, weight, h0, *optional,
         nonlinearity=nonlinearity)
@@ -54,10 +72,9 @@ def _(grad_output, grad_h_n, output, weight, h0, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    _, weight, h0, lengths, nonlinearity = inputs
+    _, weight, h0, lengths, ctx.nonlinearity, ctx.sharding = inputs
     sequence, _ = output  # the op returns (output, h_n)
     ctx.save_for_backward(sequence, weight, h0, lengths)
-    ctx.nonlinearity = nonlinearity
 
 
 def _backward(ctx, grad_output, grad_h_n):
@@ -67,8 +84,8 @@ def _backward(ctx, grad_output, grad_h_n):
     if grad_h_n is None:
         grad_h_n = torch.zeros_like(h0)
     grad_x, grad_weight, grad_h0 = indrnn_backward(
-        grad_output.to(output.dtype), grad_h_n, output, weight, h0, lengths, ctx.nonlinearity)
-    return grad_x, grad_weight, grad_h0, None, None
+        grad_output.to(output.dtype), grad_h_n, output, weight, h0, lengths, ctx.nonlinearity, ctx.sharding)
+    return grad_x, grad_weight, grad_h0, None, None, None
 
 
 indrnn.register_autograd(_backward, setup_context=_setup_context)
@@ -90,7 +107,7 @@ class _IndRNN(torch.autograd.Function):
 
 
 def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
-          nonlinearity: str) -> tuple[torch.Tensor, torch.Tensor]:
+          nonlinearity: str, sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`indrnn`, differentiable under autograd, ``torch.func``'s reverse-mode
     transforms and ``torch.compile``."""
-    return _autograd.call(_IndRNN, indrnn, x, weight, h0, lengths, nonlinearity)
+    return _autograd.call(_IndRNN, indrnn, x, weight, h0, lengths, nonlinearity, sharding)

@@ -1,0 +1,204 @@
+"""Sharded (SPMD) tensors on 4 CPU devices; run by tests/test_sharding.py in a process of their own
+(SPMD mode is process-wide), with XLA dumping every compiled module so the tests can read the
+partitioned HLO."""
+
+import glob
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+
+import torch_pallas  # noqa: E402
+
+DEVICE = torch_xla.device()
+DUMP = os.environ["TORCH_PALLAS_HLO_DUMP"]
+MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
+
+
+def mesh_of(name):
+    return xs.Mesh(np.arange(4), MESHES[name], ("data", "model"))
+
+
+def sharded(tensor, mesh, spec):
+    tensor = tensor.to(DEVICE)
+    xs.mark_sharding(tensor, mesh, spec)
+    return tensor
+
+
+def spec_of(tensor):
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def compiled_modules(run):
+    """The partitioned, optimised HLO of every module XLA compiles while ``run()`` runs."""
+    pattern = os.path.join(DUMP, "*after_optimizations.txt")
+    before = set(glob.glob(pattern))
+    run()
+    return [open(path).read() for path in sorted(set(glob.glob(pattern)) - before)]
+
+
+def all_gather_sizes(modules):
+    """Element counts of every all-gather's result in ``modules``."""
+    sizes = []
+    for text in modules:
+        for dims in re.findall(r"\[([\d,]*)\]\{[\d,]*\} all-gather\(", text):
+            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
+
+
+# Partition specs of a 2-D and a 3-D tensor over each mesh: every dim, both dims, replicated dims.
+CASES = [
+    ("4x1", (16, 512), ("data", None)), ("1x4", (16, 512), (None, "model")), ("2x2", (16, 512), ("data", "model")),
+    ("2x2", (16, 512), ("model", "data")), ("2x2", (16, 512), (None, "model")),
+    ("4x1", (8, 4, 256), (None, "data", None)), ("1x4", (8, 4, 256), (None, None, "model")),
+    ("2x2", (8, 4, 256), ("data", None, "model")), ("2x2", (8, 4, 256), (None, "data", "model")),
+    ("2x2", (8, 4, 256), (("data", "model"), None, None)),
+]
+IDS = [f"{mesh}-{'x'.join(map(str, shape))}-{spec}" for mesh, shape, spec in CASES]
+
+
+# The mask shared over the first dim: on a split first dim, on the 3-D tensors.
+SHARED = [(case, True) for case in CASES if case[2][0] is not None or len(case[1]) == 3]
+
+
+@pytest.mark.parametrize("case,shared", [(case, False) for case in CASES] + SHARED,
+                         ids=IDS + [f"{IDS[CASES.index(case)]}-shared-mask" for case, _ in SHARED])
+def test_dropout_mask_and_gradient_are_the_unsharded_ones(case, shared):
+    mesh, shape, spec = case
+    values = torch.rand(shape) + 0.5
+    expected = torch_pallas.dropout(values.to(DEVICE), 0.4, seed=7, shared_over_first_dim=shared).cpu()
+    x = sharded(values, mesh_of(mesh), spec).requires_grad_(True)
+    y = torch_pallas.dropout(x, 0.4, seed=7, shared_over_first_dim=shared)
+    y.backward(torch.ones(shape, device=DEVICE))
+    assert spec_of(y) == spec_of(x) and spec_of(x.grad) == spec_of(x)
+    torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad.cpu(), (expected != 0) / 0.6, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "normal", "bernoulli"])
+@pytest.mark.parametrize("mesh,shape,spec", CASES[2:3] + CASES[7:8], ids=IDS[2:3] + IDS[7:8])
+def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution, mesh, shape, spec):
+    sample = getattr(torch_pallas.random, distribution)
+    out = sample(shape, seed=11, mesh=mesh_of(mesh), partition_spec=spec)
+    reference = torch.empty(shape).to(DEVICE)
+    xs.mark_sharding(reference, mesh_of(mesh), spec)
+    assert spec_of(out) == spec_of(reference)
+    torch.testing.assert_close(out.cpu(), sample(shape, seed=11).cpu(), rtol=0, atol=0)
+
+
+def test_dropout_forward_and_backward_run_per_shard_without_all_gather():
+    x = sharded(torch.rand(64, 512), mesh_of("2x2"), ("data", "model")).requires_grad_(True)
+
+    def run():
+        torch_pallas.dropout(x, 0.5, seed=1).sum().backward()
+        torch_xla.sync()
+    assert "SPMDFullToShardShape" in torch_xla._XLAC._get_xla_tensors_hlo(
+        [torch_pallas.dropout(x, 0.5, seed=1)])
+    modules = compiled_modules(run)
+    assert modules and all_gather_sizes(modules) == []
+
+
+INDRNN_CASES = [("4x1", (None, "data", None)), ("1x4", (None, None, "model")), ("2x2", (None, "data", "model")),
+                ("2x2", (None, ("data", "model"), None))]
+
+
+@pytest.mark.parametrize("mesh,spec", INDRNN_CASES, ids=[f"{m}-{s}" for m, s in INDRNN_CASES])
+def test_indrnn_sharded_equals_unsharded(mesh, spec):
+    T, B, F = 12, 8, 256
+    generator = torch.Generator().manual_seed(0)
+    x, h0 = torch.randn(T, B, F, generator=generator), torch.randn(B, F, generator=generator)
+    weight = torch.rand(F, generator=generator) * 1.8 - 0.9
+    lengths = torch.tensor([12, 5, 0, 3, 12, 1, 7, 11])
+
+    def run(x):
+        x.requires_grad_(True)
+        w, h = weight.to(DEVICE).requires_grad_(True), h0.to(DEVICE).requires_grad_(True)
+        output, h_n = torch_pallas.indrnn(x, w, h, nonlinearity="tanh", lengths=lengths)
+        (output.square().sum() + h_n.sum()).backward()
+        return output, h_n, x.grad, w.grad, h.grad
+
+    expected = [t.cpu() for t in run(x.to(DEVICE))]
+    x_sharded = sharded(x, mesh_of(mesh), spec)
+    modules = compiled_modules(lambda: torch_xla.sync())  # the inputs' transfer
+    got = run(x_sharded)
+    output, _, grad_x, grad_w, _ = got
+    assert spec_of(output) == spec_of(x_sharded) == spec_of(grad_x)
+    assert spec_of(grad_w) in ("", "{replicated}")  # the parameter's: replicated
+    modules = compiled_modules(lambda: torch_xla.sync())
+    # Only the weight gradient's rows (one per batch shard) are gathered, never activations.
+    assert all(size <= 4 * F for size in all_gather_sizes(modules))
+    for name, a, b in zip(("output", "h_n", "grad x", "grad weight", "grad h0"), got, expected):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=name)
+
+
+def test_indrnn_batch_first_and_time_split():
+    mesh = mesh_of("2x2")
+    values, weight = torch.randn(8, 6, 256), torch.rand(256).to(DEVICE)
+    x = sharded(values, mesh, ("data", None, "model"))  # (B, T, F)
+    output, _ = torch_pallas.indrnn(x, weight, batch_first=True)
+    torch_xla.sync()  # the transposed view's sharding is XLA's to propagate
+    assert spec_of(output) == spec_of(x)
+    expected, _ = torch_pallas.indrnn(values.to(DEVICE), weight, batch_first=True)
+    torch.testing.assert_close(output.cpu(), expected.cpu(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="split along time"):
+        torch_pallas.indrnn(sharded(torch.randn(8, 4, 256), mesh, ("data", None, None)), torch.ones(256, device=DEVICE))
+
+
+def test_errors_name_what_is_not_supported():
+    mesh = mesh_of("2x2")
+    with pytest.raises(ValueError, match="does not divide 15"):
+        torch_pallas.dropout(sharded(torch.ones(15, 512), mesh, ("data", None)), 0.5)
+    with pytest.raises(ValueError, match="give both"):
+        torch_pallas.random.uniform((16, 512), mesh=mesh)
+    with pytest.raises(ValueError, match="one entry per dim"):
+        torch_pallas.random.uniform((16, 512), mesh=mesh, partition_spec=("data",))
+    with pytest.raises(ValueError, match="threefry"):
+        torch_pallas.random.uniform((16, 512), mesh=mesh, partition_spec=("data", None), impl="hardware")
+
+
+def test_readme_spmd_snippet_runs():
+    from test_readme import python_blocks
+    (block,) = [block for block in python_blocks() if "use_spmd()" in block]
+    namespace = {"torch": torch, "torch_xla": torch_xla, "torch_pallas": torch_pallas, "device": DEVICE}
+    exec(compile(block, "README.md", "exec"), namespace)
+    x, y, u = namespace["x"], namespace["y"], namespace["u"]
+    assert spec_of(y) == spec_of(x) == spec_of(u) == "{devices=[2,2]0,1,2,3}"
+    unsharded = x.cpu().to(DEVICE)
+    torch.testing.assert_close(y.cpu(), torch_pallas.dropout(unsharded, 0.1, seed=0).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(u.cpu(), torch_pallas.random.uniform((64, 1024), seed=0).cpu(), rtol=0, atol=0)
+
+
+def test_fsdp_v2_example_trains_compiled_and_matches_unsharded_eager():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import train_fsdp
+
+    losses, compiles = train_fsdp.train(sharded=True, num_steps=6, warm_up=3)
+    assert compiles == 0 and losses[-1] < losses[0]
+    unsharded, _ = train_fsdp.train(sharded=False, num_steps=1)
+    assert abs(losses[0] - unsharded[0]) <= 1e-5 * unsharded[0]
+    eager, _ = train_fsdp.train(sharded=True, compiled=False, num_steps=3)
+    eager_unsharded, _ = train_fsdp.train(sharded=False, compiled=False, num_steps=3)
+    np.testing.assert_allclose(eager, eager_unsharded, rtol=1e-5)
+
+
+def test_explicit_mesh_runs_per_shard_under_compile():
+    mesh, spec = mesh_of("2x2"), ("data", "model")
+    values = torch.rand(16, 512) + 0.5
+    x = sharded(values, mesh, spec).requires_grad_(True)
+    compiled = torch.compile(lambda x: torch_pallas.dropout(x, 0.3, seed=2, mesh=mesh, partition_spec=spec),
+                             backend="openxla")
+    y = compiled(x)
+    y.backward(torch.ones_like(y))
+    torch_xla.sync()
+    expected = torch_pallas.dropout(values.to(DEVICE), 0.3, seed=2).cpu()
+    torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad.cpu(), (expected != 0) / 0.7, rtol=0, atol=0)
+    assert spec_of(y) == spec_of(x) == spec_of(x.grad)
