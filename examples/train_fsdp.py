@@ -6,8 +6,9 @@ wrapped unchanged in ``SpmdFullyShardedDataParallel``: its parameters are sharde
 mesh's ``fsdp`` axis and each batch is split over it. The step runs under
 ``torch.compile(backend="openxla")``, then eagerly. The script prints the loss, the XLA
 compiles after warm-up, and the loss of the same model trained unsharded with the same seeds:
-equal in eager mode; under torch.compile equal at the first step, then apart by ~1e-2 (the
-compiled runs' dropout keys differ; without dropout they agree within 1e-7; see the README).
+equal in eager mode. Compiled, they are equal at the first step, then ~1e-2 apart, unless the
+unsharded model gets the same batch-sharded inputs (then equal): under torch.compile, a
+sharded graph input changes which dropout keys torch_xla's RNG gives (see the README).
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv/bin/python examples/train_fsdp.py
 """
@@ -53,9 +54,13 @@ def make_data(batches: int, batch_size: int, steps: int, features: int, classes:
     return x, labels
 
 
-def train(*, sharded: bool, compiled: bool = True, num_steps: int = 12, warm_up: int = 3, batch_size: int = 16,
-          seq_len: int = 16, features: int = 64, hidden: int = 128, classes: int = 4):
-    """Trains the model for ``num_steps``; returns (losses, XLA compiles after ``warm_up`` steps)."""
+def train(*, sharded: bool, compiled: bool = True, shard_batches: bool | None = None, num_steps: int = 12,
+          warm_up: int = 3, batch_size: int = 16, seq_len: int = 16, features: int = 64, hidden: int = 128,
+          classes: int = 4):
+    """Trains the model (wrapped in FSDPv2 if ``sharded``) for ``num_steps``, its batches split
+    over the mesh if ``shard_batches`` (default: ``sharded``); returns (losses, XLA compiles
+    after ``warm_up`` steps)."""
+    shard_batches = sharded if shard_batches is None else shard_batches
     device = torch_xla.device()
     # Dynamo's guards do not look at shardings: a graph compiled for the sharded parameters
     # would be reused for unsharded ones (and fail on their buffer sizes).
@@ -77,7 +82,7 @@ def train(*, sharded: bool, compiled: bool = True, num_steps: int = 12, warm_up:
     batches = []
     for inputs, targets in zip(x, labels):
         inputs, targets = inputs.to(device), targets.to(device)
-        if sharded:
+        if shard_batches:
             xs.mark_sharding(inputs, mesh, ("fsdp", None, None))
             xs.mark_sharding(targets, mesh, ("fsdp",))
         batches.append((inputs, targets))
@@ -102,10 +107,12 @@ def train(*, sharded: bool, compiled: bool = True, num_steps: int = 12, warm_up:
 
 
 def main():
-    for compiled in (True, False):
-        sharded_losses, compiles = train(sharded=True, compiled=compiled)
-        unsharded_losses, _ = train(sharded=False, compiled=compiled)
-        print("compiled (torch.compile, openxla)" if compiled else "eager (lazy tensors)")
+    runs = {"compiled": dict(compiled=True), "eager": dict(compiled=False),
+            "compiled, same sharded batches": dict(compiled=True, shard_batches=True)}
+    for name, options in runs.items():
+        sharded_losses, compiles = train(sharded=True, **options)
+        unsharded_losses, _ = train(sharded=False, **options)
+        print(f"{name}:")
         for step, (a, b) in enumerate(zip(sharded_losses, unsharded_losses)):
             print(f"  step {step:3d}  loss FSDPv2 {a:.6f}  unsharded {b:.6f}")
         print(f"  XLA compiles after warm-up (FSDPv2): {compiles}; "
