@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -48,7 +49,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
             in SPMD mode, how ``x`` is sharded, as ``xs.mark_sharding`` takes it. Default: the
             sharding ``x`` carries, read in eager mode (an intermediate activation has none
-            yet, and under ``torch.compile`` none is visible; see the README's SPMD section).
+            yet). Under ``torch.compile`` neither is read and the kernel runs on the whole
+            tensor (same values; XLA partitions it): use :class:`torch_pallas.nn.Dropout`'s,
+            resolved when it is built, to run per shard there (README, SPMD section).
 
     A sharded ``x`` is processed shard by shard on its devices, forward and backward, and the
     output and gradient keep its sharding; the mask is the unsharded one.
@@ -73,18 +76,37 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         >>> y = torch_pallas.dropout(x, p=0.1, seed=0)
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
+    if mesh is None and partition_spec is None:
+        layout = functools.partial(sharding.resolve_noise, x, "x")
+    else:
+        layout = functools.partial(sharding.requested, mesh, partition_spec, x.shape, "x")
+    return _sharded_dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, layout)
+
+
+def _sharded_dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, layout):
+    """:func:`dropout` with the sharding given by ``layout(impl, shared_over_first_dim)`` (its
+    text or ``None``), checked before any kernel runs."""
     def check_input(x):
         if shared_over_first_dim and x.dim() == 0:
             raise ValueError("shared_over_first_dim needs an input with at least one dimension")
 
     def masked(key_data, p, impl):
-        if mesh is None and partition_spec is None:
-            layout = sharding.resolve_noise(x, "x", impl, shared_over_first_dim)
-        else:
-            layout = sharding.requested(mesh, partition_spec, x.shape, "x", impl, shared_over_first_dim)
-        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None, layout)
+        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None,
+                                layout(impl, shared_over_first_dim))
 
     return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
+
+
+def preset_layout(preset: sharding.Sharding | None, x: torch.Tensor):
+    """A ``layout`` for :func:`_sharded_dropout` from the sharding a module resolved when it was
+    built (torch_xla's mesh code cannot be traced), checked against ``x`` here, in plain
+    Python dynamo traces."""
+    def layout(impl, shared_over_first_dim):
+        if preset is None:
+            return None
+        sharding.check(preset, x.shape, "input", impl, shared_over_first_dim)
+        return preset.text
+    return layout
 
 
 def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input) -> torch.Tensor:
@@ -240,6 +262,21 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         >>> output, h_n = torch_pallas.indrnn(x, w)
         >>> output.sum().backward()
     """
+    def time_major_sharding(time_major_shape):
+        if mesh is None and partition_spec is None:
+            found = sharding.resolve(x)
+        else:
+            found = sharding.Sharding.parse(sharding.requested(mesh, partition_spec, x.shape, "x") or "")
+        if found is not None and batch_first:
+            found = found.permute((1, 0, 2))
+        return found
+
+    return _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_sharding)
+
+
+def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_sharding):
+    """:func:`indrnn` with the sharding of the time-major sequence given by
+    ``time_major_sharding(shape)`` (a :class:`~torch_pallas.sharding.Sharding` or ``None``)."""
     check_nonlinearity(nonlinearity)
     _checks.check_float_tensor(x, "x")
     _checks.check_float_tensor(weight, "weight")
@@ -259,24 +296,13 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     if lengths is not None:
         lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
+    found = time_major_sharding(time_major.shape)
+    if found is not None:
+        if found.tiles[0] > 1:
+            raise ValueError(
+                f"x is split along time into {found.tiles[0]} shards; IndRNN runs each sequence's steps in "
+                "order on one device: shard x over batch and/or features only")
+        sharding.check(found, time_major.shape, "x")
     output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity,
-                                  _time_major_sharding(x, time_major.shape, batch_first, mesh, partition_spec))
+                                  None if found is None else found.text)
     return (output.transpose(0, 1) if batch_first else output), h_n
-
-
-def _time_major_sharding(x: torch.Tensor, time_major_shape, batch_first: bool, mesh, partition_spec) -> str | None:
-    """The text of the sharding of ``x`` seen time-major, when it is sharded."""
-    if mesh is None and partition_spec is None:
-        found = sharding.resolve(x)
-    else:
-        found = sharding.Sharding.parse(sharding.requested(mesh, partition_spec, x.shape, "x") or "")
-    if found is None:
-        return None
-    if batch_first:
-        found = found.permute((1, 0, 2))
-    if found.tiles[0] > 1:
-        raise ValueError(
-            f"x is split along time into {found.tiles[0]} shards; IndRNN runs each sequence's steps in "
-            "order on one device: shard x over batch and/or features only")
-    found.shard_shape(time_major_shape, "x")
-    return found.text

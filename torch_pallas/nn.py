@@ -10,8 +10,9 @@ import warnings
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from torch_pallas import _checks
-from torch_pallas.functional import dropout as dropout_fn, dropout1d, dropout2d, dropout3d, indrnn
+from torch_pallas import _checks, sharding
+from torch_pallas.functional import (_indrnn, _sharded_dropout, dropout1d, dropout2d, dropout3d,
+                                     dropout as dropout_fn, preset_layout)
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
 
@@ -50,17 +51,45 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
             :class:`torch.nn.Dropout` does. Default: ``False``.
         impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
 
+        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
+            in SPMD mode, how the input is sharded (as ``xs.mark_sharding`` takes it): the
+            kernel then runs on each device's shard, also under ``torch.compile`` and for
+            intermediate activations, whose sharding is otherwise not visible (see
+            :func:`torch_pallas.dropout`). Give both or neither.
+
     Shape:
-        - Input: any shape; in training mode float32, bfloat16 or float16 on an XLA device.
+        - Input: any shape (with ``partition_spec``, of its rank); in training mode float32,
+          bfloat16 or float16 on an XLA device.
         - Output: the input's shape and dtype.
 
     Raises:
         TypeError: ``p`` is not a real number.
-        ValueError: ``p`` outside :math:`[0, 1]` or NaN, an unknown ``impl``, or
-            ``impl="hardware"`` off TPU.
+        ValueError: ``p`` outside :math:`[0, 1]` or NaN, an unknown ``impl``,
+            ``impl="hardware"`` off TPU, or only one of ``mesh`` and ``partition_spec``.
     """
 
     _function = staticmethod(dropout_fn)
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None, mesh=None, partition_spec=None):
+        super().__init__(p, inplace, impl=impl)
+        self.mesh, self.partition_spec = _check_sharding_arguments(mesh, partition_spec)
+        # Resolved now: torch_xla's mesh code cannot be traced by torch.compile.
+        self._sharding = None if mesh is None else sharding.preset(mesh, self.partition_spec)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None:
+            return super().forward(input)
+        return _sharded_dropout(input, self.p, self.training, self.inplace, None, None, self.impl, False,
+                                preset_layout(self._sharding, input))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", partition_spec={self.partition_spec!r}" if self.mesh is not None else "")
+
+
+def _check_sharding_arguments(mesh, partition_spec):
+    if (mesh is None) != (partition_spec is None):
+        raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
+    return mesh, None if partition_spec is None else tuple(partition_spec)
 
 
 _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
@@ -175,6 +204,10 @@ class IndRNN(torch.nn.Module):
         recurrent_max_abs (float, optional): bound on :math:`|w_{hh}|`, enforced at
             initialisation and by :meth:`clip_recurrent_weights`, which you call after each
             optimizer step (or let :meth:`clip_after` register it as a step hook).
+        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
+            in SPMD mode, how a padded batched input is sharded (in its own layout, batch
+            first or not; time must not be split): every layer's recurrence and dropout then
+            run on each device's shard, also under ``torch.compile``. Give both or neither.
 
     Parameters (for layer ``k``; ``_reverse`` suffix for the backward direction):
         weight_ih_l{k}: ``(hidden_size, input_size)`` for ``k = 0``, else
@@ -214,8 +247,16 @@ class IndRNN(torch.nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "relu",
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 recurrent_max_abs: float | None = None, *, device=None, dtype=None):
+                 recurrent_max_abs: float | None = None, *, device=None, dtype=None, mesh=None,
+                 partition_spec=None):
         super().__init__()
+        self.mesh, self.partition_spec = _check_sharding_arguments(mesh, partition_spec)
+        self._sharding = None  # of the time-major sequence, resolved now (see Dropout)
+        if partition_spec is not None:
+            if len(partition_spec) != 3:
+                raise ValueError(f"partition_spec must describe the 3-D input, got {partition_spec!r}")
+            spec = self.partition_spec
+            self._sharding = sharding.preset(mesh, (spec[1], spec[0], spec[2]) if batch_first else spec)
         self.input_size = _check_positive_int(input_size, "input_size")
         self.hidden_size = _check_positive_int(hidden_size, "hidden_size")
         self.num_layers = _check_positive_int(num_layers, "num_layers")
@@ -317,6 +358,9 @@ class IndRNN(torch.nn.Module):
                 hx = hx.unsqueeze(1)
         if lengths is not None:
             lengths = _checks.check_lengths(lengths, parameter_device, sequence.shape[0], batch)
+        if self.mesh is not None and (packed or not batched):
+            raise ValueError("a module with a partition_spec takes a padded, batched input "
+                             "(a PackedSequence or an unbatched input cannot be split by it)")
 
         last_states = []
         for layer in range(self.num_layers):
@@ -327,13 +371,14 @@ class IndRNN(torch.nn.Module):
                 if direction == 1:
                     projected = reverse_each(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
-                output, h_n = indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0,
-                                     nonlinearity=self.nonlinearity, lengths=lengths)
+                output, h_n = _indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0, self.nonlinearity, False,
+                                      lengths, self._sequence_sharding)
                 directions.append(reverse_each(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
-                sequence = dropout_fn(sequence, self.dropout, shared_over_first_dim=True)
+                sequence = _sharded_dropout(sequence, self.dropout, True, False, None, None, None, True,
+                                            preset_layout(self._sharding, sequence))
 
         h_n = torch.stack(last_states)
         if packed:
@@ -344,10 +389,13 @@ class IndRNN(torch.nn.Module):
             return sequence.squeeze(1), h_n.squeeze(1)
         return (sequence.transpose(0, 1) if self.batch_first else sequence), h_n
 
+    def _sequence_sharding(self, time_major_shape):
+        return self._sharding
+
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"
         defaults = {"num_layers": 1, "nonlinearity": "relu", "bias": True, "batch_first": False, "dropout": 0.0,
-                    "bidirectional": False, "recurrent_max_abs": None}
+                    "bidirectional": False, "recurrent_max_abs": None, "partition_spec": None}
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 text += f", {name}={getattr(self, name)!r}"

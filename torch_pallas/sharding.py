@@ -40,6 +40,12 @@ class Sharding:
     tiles: tuple[int, ...]
     device_ids: tuple[int, ...]
     replicas: int = 1
+    text: str = dataclasses.field(init=False, compare=False)  # torch_xla's text for it
+
+    def __post_init__(self):
+        suffix = " last_tile_dim_replicate" if self.replicas > 1 else ""
+        object.__setattr__(self, "text", f"{{devices=[{','.join(map(str, self.mesh_shape))}]"
+                                         f"{','.join(map(str, self.device_ids))}{suffix}}}")
 
     @classmethod
     def parse(cls, text: str, rank: Optional[int] = None) -> Optional["Sharding"]:
@@ -91,12 +97,6 @@ class Sharding:
         if all(size == 1 for size in tiles):
             return None
         return cls(tiles, tuple(int(i) for i in assignment.reshape(-1)), math.prod(split))
-
-    @property
-    def text(self) -> str:
-        """torch_xla's text for this sharding."""
-        suffix = " last_tile_dim_replicate" if self.replicas > 1 else ""
-        return f"{{devices=[{','.join(map(str, self.mesh_shape))}]{','.join(map(str, self.device_ids))}{suffix}}}"
 
     def permute(self, order: Sequence[int]) -> "Sharding":
         """The sharding of ``tensor.permute(order)``."""
@@ -167,28 +167,43 @@ def requested(mesh, partition_spec, shape: Sequence[int], name: str, impl: Optio
     """
     if mesh is None and partition_spec is None:
         return None
-    return _requested(mesh, partition_spec, tuple(shape), name, impl, shared_over_first_dim)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace torch_xla's mesh code, and a graph break here gave wrong values
+        # when sharded results crossed from one graph to the next: the kernel runs on the
+        # whole tensor (right values; XLA partitions it). The modules resolve their sharding
+        # when built, and run per shard compiled too.
+        return None
+    found = preset(mesh, partition_spec, shape, name, impl, shared_over_first_dim)
+    return None if found is None else found.text
 
 
-# Dynamo cannot trace torch_xla's mesh arithmetic: under torch.compile this call is one
-# graph break (its result, a string, is then a constant of the graphs around it).
-@torch.compiler.disable
-def _requested(mesh, partition_spec, shape, name, impl, shared_over_first_dim) -> Optional[str]:
+def preset(mesh, partition_spec, shape: Optional[Sequence[int]] = None, name: str = "the input",
+           impl: Optional[str] = None, shared_over_first_dim: bool = False) -> Optional[Sharding]:
+    """The sharding ``xs.mark_sharding(t, mesh, partition_spec)`` gives ``t``, checked for a
+    tensor of ``shape`` when given (see :func:`requested`); ``None`` for a replicated one.
+    Eager only: modules resolve it when they are built."""
     if mesh is None or partition_spec is None:
         raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
     if not xr.is_spmd():
         raise ValueError("mesh and partition_spec need SPMD mode: call torch_xla.runtime.use_spmd() first")
-    if isinstance(partition_spec, (tuple, list)) and len(partition_spec) != len(shape):
+    if shape is not None and isinstance(partition_spec, (tuple, list)) and len(partition_spec) != len(shape):
         raise ValueError(f"partition_spec {tuple(partition_spec)} must have one entry per dim of shape "
                          f"{tuple(shape)}")
     sharding = Sharding.from_mesh(mesh, partition_spec)
-    if sharding is None:
-        return None
+    if sharding is not None and shape is not None:
+        check(sharding, shape, name, impl, shared_over_first_dim)
+    return sharding
+
+
+def check(sharding: Sharding, shape: Sequence[int], name: str, impl: Optional[str] = None,
+          shared_over_first_dim: bool = False) -> None:
+    """Raises ValueError unless a tensor of ``shape`` can be processed per shard: equal shards,
+    and for a noise kernel of ``impl`` (not ``None``) one it can follow. Plain Python on
+    tuples, so dynamo traces it."""
     if impl is None:
         sharding.shard_shape(shape, name)
     else:
         check_kernel_can_follow(sharding, shape, name, impl, shared_over_first_dim)
-    return sharding.text
 
 
 def resolve(tensor: torch.Tensor) -> Optional[Sharding]:
