@@ -262,7 +262,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         >>> output, h_n = torch_pallas.indrnn(x, w)
         >>> output.sum().backward()
     """
-    def time_major_sharding(time_major_shape):
+    def time_major_sharding():
         if mesh is None and partition_spec is None:
             found = sharding.resolve(x)
         else:
@@ -276,7 +276,8 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
 
 def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_sharding):
     """:func:`indrnn` with the sharding of the time-major sequence given by
-    ``time_major_sharding(shape)`` (a :class:`~torch_pallas.sharding.Sharding` or ``None``)."""
+    ``time_major_sharding()`` (a :class:`~torch_pallas.sharding.Sharding` or ``None``), called
+    after the arguments are checked."""
     check_nonlinearity(nonlinearity)
     _checks.check_float_tensor(x, "x")
     _checks.check_float_tensor(weight, "weight")
@@ -296,7 +297,7 @@ def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_shardi
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     if lengths is not None:
         lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
-    found = time_major_sharding(time_major.shape)
+    found = time_major_sharding()
     if found is not None:
         if found.tiles[0] > 1:
             raise ValueError(

@@ -72,9 +72,7 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None, mesh=None, partition_spec=None):
         super().__init__(p, inplace, impl=impl)
-        self.mesh, self.partition_spec = _check_sharding_arguments(mesh, partition_spec)
-        # Resolved now: torch_xla's mesh code cannot be traced by torch.compile.
-        self._sharding = None if mesh is None else sharding.preset(mesh, self.partition_spec)
+        self.mesh, self.partition_spec, self._sharding = _module_sharding(mesh, partition_spec)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
@@ -86,10 +84,15 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         return super().extra_repr() + (f", partition_spec={self.partition_spec!r}" if self.mesh is not None else "")
 
 
-def _check_sharding_arguments(mesh, partition_spec):
-    if (mesh is None) != (partition_spec is None):
-        raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
-    return mesh, None if partition_spec is None else tuple(partition_spec)
+def _module_sharding(mesh, partition_spec, order=None):
+    """``(mesh, partition_spec as a tuple, the Sharding it gives)``, all ``None`` when neither
+    is given. Resolved when the module is built: torch.compile cannot trace torch_xla's mesh
+    code. ``order`` permutes the spec first (to the layout the kernels see)."""
+    if mesh is None and partition_spec is None:
+        return None, None, None
+    spec = None if partition_spec is None else tuple(partition_spec)
+    kernel_spec = spec if order is None or spec is None else tuple(spec[d] for d in order)
+    return mesh, spec, sharding.preset(mesh, kernel_spec)
 
 
 _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
@@ -250,13 +253,11 @@ class IndRNN(torch.nn.Module):
                  recurrent_max_abs: float | None = None, *, device=None, dtype=None, mesh=None,
                  partition_spec=None):
         super().__init__()
-        self.mesh, self.partition_spec = _check_sharding_arguments(mesh, partition_spec)
-        self._sharding = None  # of the time-major sequence, resolved now (see Dropout)
-        if partition_spec is not None:
-            if len(partition_spec) != 3:
-                raise ValueError(f"partition_spec must describe the 3-D input, got {partition_spec!r}")
-            spec = self.partition_spec
-            self._sharding = sharding.preset(mesh, (spec[1], spec[0], spec[2]) if batch_first else spec)
+        if mesh is not None and partition_spec is not None and len(partition_spec) != 3:
+            raise ValueError(f"partition_spec must describe the 3-D input, got {partition_spec!r}")
+        # _sharding: of the time-major sequence the kernels see
+        self.mesh, self.partition_spec, self._sharding = _module_sharding(
+            mesh, partition_spec, (1, 0, 2) if batch_first else None)
         self.input_size = _check_positive_int(input_size, "input_size")
         self.hidden_size = _check_positive_int(hidden_size, "hidden_size")
         self.num_layers = _check_positive_int(num_layers, "num_layers")
@@ -372,7 +373,7 @@ class IndRNN(torch.nn.Module):
                     projected = reverse_each(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
                 output, h_n = _indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0, self.nonlinearity, False,
-                                      lengths, self._sequence_sharding)
+                                      lengths, lambda: self._sharding)
                 directions.append(reverse_each(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
@@ -388,9 +389,6 @@ class IndRNN(torch.nn.Module):
         if not batched:
             return sequence.squeeze(1), h_n.squeeze(1)
         return (sequence.transpose(0, 1) if self.batch_first else sequence), h_n
-
-    def _sequence_sharding(self, time_major_shape):
-        return self._sharding
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"

@@ -17,6 +17,7 @@ This module is the only place that reads or applies one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Optional, Sequence
@@ -227,20 +228,34 @@ def resolve_noise(tensor: torch.Tensor, name: str, impl: str, shared_over_first_
     sharding = resolve(tensor)
     if sharding is None:
         return None
-    check_kernel_can_follow(sharding, tensor.shape, name, impl, shared_over_first_dim)
+    check(sharding, tensor.shape, name, impl, shared_over_first_dim)
     return sharding.text
 
 
-def _enter(tensor: torch.Tensor, dims: tuple, mesh: xs.Mesh) -> torch.Tensor:
+# Every call of an op on a sharded tensor needs these; computed once per sharding (and one
+# Mesh object per sharding keeps torch_xla's own per-mesh cache of OpShardings warm).
+@functools.lru_cache(maxsize=None)
+def _parsed(sharding_text: str) -> tuple[Sharding, xs.Mesh]:
+    sharding = Sharding.parse(sharding_text)
+    return sharding, sharding.mesh()
+
+
+@functools.lru_cache(maxsize=None)
+def _text_of_dims(sharding_text: str, dims: tuple) -> str:
+    """torch_xla's text for a tensor split as ``dims`` say over ``sharding_text``'s mesh."""
+    wanted = Sharding.from_mesh(_parsed(sharding_text)[1], dims)
+    return "{replicated}" if wanted is None else wanted.text
+
+
+def _enter(tensor: torch.Tensor, dims: tuple, sharding_text: str) -> torch.Tensor:
     """Each device's shard of ``tensor`` split as ``dims`` say, in manual sharding mode.
 
     ``xs.enable_manual_sharding`` marks the tensor it is given; unless the tensor is already
     sharded so, that is a copy, so that the caller's tensor (a parameter, an initial state)
     keeps its own sharding and XLA moves the data between the two."""
-    wanted = Sharding.from_mesh(mesh, dims)
-    if torch_xla._XLAC._get_xla_sharding_spec(tensor) != ("{replicated}" if wanted is None else wanted.text):
+    if torch_xla._XLAC._get_xla_sharding_spec(tensor) != _text_of_dims(sharding_text, dims):
         tensor = tensor.clone()
-    return xs.enable_manual_sharding(tensor, dims, mesh=mesh).global_tensor
+    return xs.enable_manual_sharding(tensor, dims, mesh=_parsed(sharding_text)[1]).global_tensor
 
 
 def _with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
@@ -259,13 +274,12 @@ def call(jax_function, sharding_text: str, tensors: Sequence[torch.Tensor], in_d
     (replicated): it gets ``global_shape=noise_shape`` and, as data, its shard's offset in
     that shape (``shared_over_first_dim`` in ``static``: in ``noise_shape[1:]``).
     """
-    sharding = Sharding.parse(sharding_text)
-    mesh = sharding.mesh()
-    local = [_enter(tensor, tuple(dims), mesh) for tensor, dims in zip(tensors, in_dims)]
+    sharding, mesh = _parsed(sharding_text)
+    local = [_enter(tensor, tuple(dims), sharding_text) for tensor, dims in zip(tensors, in_dims)]
     if noise_shape is not None:
         key_data, *rest = local
         offsets = sharding.shard_offsets(noise_shape, key_data.device, static.get("shared_over_first_dim", False))
-        offsets = _enter(offsets, tuple(range(len(sharding.mesh_shape))), mesh)
+        offsets = _enter(offsets, tuple(range(len(sharding.mesh_shape))), sharding_text)
         local = [key_data, offsets, *rest]
         static = dict(static, kernel=jax_function, global_shape=tuple(noise_shape))
         jax_function = _with_shard_offset
@@ -285,10 +299,10 @@ def sum_rows_in_order(rows: torch.Tensor, sharding_text: str, dims: tuple, like:
 
     The rows are first gathered onto every device (an all-gather of this small tensor only)
     and summed there, so the result does not depend on a cross-device reduction's order."""
-    mesh = Sharding.parse(sharding_text).mesh()
+    mesh = _parsed(sharding_text)[1]
     gathered = xs.mark_sharding(rows.clone(), mesh, (None, *dims[1:])).global_tensor
     total = gathered.sum(0)
     target = Sharding.of(like)
     if target is None:
         return xs.mark_sharding(total, mesh, (None,) * total.dim()).global_tensor
-    return xs.mark_sharding(total, target.mesh(), tuple(range(total.dim()))).global_tensor
+    return xs.mark_sharding(total, _parsed(target.text)[1], tuple(range(total.dim()))).global_tensor

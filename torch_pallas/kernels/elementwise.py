@@ -165,7 +165,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     if hardware:
         # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
         view_rows, view_cols = tiling.round_up(rows, tiling.SUBLANES), tiling.round_up(cols, tiling.LANES)
-        row_stride = row_stride and view_cols
+        if row_stride:  # a padded view's rows are its (padded) width apart; 0 stays shared
+            row_stride = view_cols
     itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
                                         whole_tiles=hardware)
