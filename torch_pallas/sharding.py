@@ -251,10 +251,12 @@ def _enter(tensor: torch.Tensor, dims: tuple, sharding_text: str) -> torch.Tenso
     """Each device's shard of ``tensor`` split as ``dims`` say, in manual sharding mode.
 
     ``xs.enable_manual_sharding`` marks the tensor it is given; unless the tensor is already
-    sharded so, that is a copy, so that the caller's tensor (a parameter, an initial state)
-    keeps its own sharding and XLA moves the data between the two."""
+    sharded so, that is a new value, so that the caller's tensor (a parameter, an initial
+    state) keeps its own sharding and XLA moves the data between the two."""
     if torch_xla._XLAC._get_xla_sharding_spec(tensor) != _text_of_dims(sharding_text, dims):
-        tensor = tensor.clone()
+        # Not clone(): torch_xla's clone keeps the sharding annotation (an FSDP-sharded
+        # weight's, say), and marking it again then fails.
+        tensor = tensor + 0
     return xs.enable_manual_sharding(tensor, dims, mesh=_parsed(sharding_text)[1]).global_tensor
 
 
