@@ -39,6 +39,17 @@ def test_permute_moves_tiles_and_devices():
     assert Sharding.parse("{devices=[2,2,1]0,1,2,3}").permute((1, 0, 2)).device_ids == (0, 2, 1, 3)
 
 
+def test_hardware_noise_follows_shards_of_whole_tile_bands_only():
+    from torch_pallas import sharding
+    rows, columns = Sharding.parse("{devices=[4,1]0,1,2,3}"), Sharding.parse("{devices=[1,4]0,1,2,3}")
+    sharding.check(rows, (64, 1024), "x", "hardware")  # 16 rows: two 8-row bands each
+    sharding.check(columns, (64, 1024), "x", "threefry")
+    with pytest.raises(ValueError, match="8192-element bands"):
+        sharding.check(columns, (64, 1024), "x", "hardware")
+    with pytest.raises(ValueError, match="8192-element bands"):
+        sharding.check(rows, (16, 1024), "x", "hardware")  # 4 rows: half a band
+
+
 def test_uneven_shards_are_refused_with_the_dim():
     with pytest.raises(ValueError, match="along dim 1, which does not divide 130"):
         Sharding.parse("{devices=[1,4]0,1,2,3}").shard_shape((8, 130), "x")

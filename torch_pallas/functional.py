@@ -68,7 +68,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             TPU, ``x`` not on an XLA device, 2**32 or more elements,
             ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
             sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
-            ``impl="hardware"``).
+            with ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
 
     Example::
 

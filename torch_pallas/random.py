@@ -57,8 +57,8 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a non-XLA ``device``,
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
-            take (uneven shards, more than two split dims besides the first,
-            ``impl="hardware"``).
+            take (uneven shards, more than two split dims besides the first, with
+            ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
 
     Example::
 

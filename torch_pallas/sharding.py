@@ -29,7 +29,7 @@ import torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
 
 from torch_pallas import bridge
-from torch_pallas.kernels import elementwise
+from torch_pallas.kernels import elementwise, prng
 
 _TILED = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
 
@@ -147,12 +147,13 @@ class Sharding:
 def check_kernel_can_follow(sharding: Sharding, shape: Sequence[int], name: str, impl: str,
                             shared_over_first_dim: bool = False) -> None:
     """Raises ValueError for a sharding a noise kernel cannot follow: uneven shards, more
-    than two split dims besides the first, the hardware PRNG (seeded per tile of the whole
-    tensor's 2-D view, which a shard does not see)."""
-    if impl != "threefry":
-        raise ValueError(f'impl="{impl}" does not run on shards of a sharded tensor; use impl="threefry" '
-                         f"(the default)")
-    elementwise.check_index_dims(sharding.shard_shape(shape, name), shape, shared_over_first_dim)
+    than two split dims besides the first, and for the hardware PRNG (seeded per tile of the
+    whole tensor's 2-D view) shards that are not whole tiles of that view."""
+    shard_shape = sharding.shard_shape(shape, name)
+    if impl == prng.HARDWARE:
+        elementwise.hardware_view(shard_shape, shape, shared_over_first_dim)
+    else:
+        elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
 
 
 def requested(mesh, partition_spec, shape: Sequence[int], name: str, impl: Optional[str] = None,
@@ -164,7 +165,7 @@ def requested(mesh, partition_spec, shape: Sequence[int], name: str, impl: Optio
     Raises:
         TypeError: a ``mesh`` that is not an ``xs.Mesh``, a ``partition_spec`` that is not a tuple.
         ValueError: one without the other, SPMD mode off, a spec of another rank than
-            ``shape``, ``impl="hardware"``, or a sharding the kernel cannot follow.
+            ``shape``, or a sharding the kernel cannot follow.
     """
     if mesh is None and partition_spec is None:
         return None

@@ -1,13 +1,15 @@
 """The sampling kernels against jax.random, bit for bit, for every block shape and grid order."""
 
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 
 from reference import SEEDS, as_bits, jax_key, key_data, ulp_distance
-from torch_pallas.kernels import sampling
+from torch_pallas.kernels import elementwise, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 # (shape, block shapes to try). Blocks that do not divide the 2-D view are included: Pallas
@@ -147,6 +149,61 @@ def test_shards_the_kernel_cannot_follow_are_refused():
     with pytest.raises(ValueError, match="at most two split dims"):
         sampling.uniform(key_data(0), (2, 2, 2, 128), interpret=True, global_shape=(2, 4, 4, 256),
                          shard_offset=np.zeros(1, np.int32))
-    with pytest.raises(ValueError, match="threefry"):
-        sampling.uniform(key_data(0), (8, 128), interpret=False, impl="hardware", global_shape=(16, 128),
-                         shard_offset=np.zeros(1, np.int32))
+
+
+def emulated_hardware_tile_bits(hardware_key_ref, tile_index):
+    """A stand-in for the TPU's hardware PRNG, which cannot run on CPU: like it, a function of
+    the two words ``prng_seed`` gets for the tile (here threefry of them over the tile)."""
+    seed = [jax.lax.bitcast_convert_type(word, jnp.uint32)
+            for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
+    rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, prng.TILE, d) for d in (0, 1))
+    return prng.threefry_bits(*seed, rows * np.uint32(prng.TILE[1]) + cols)
+
+
+@pytest.fixture
+def emulated_hardware_prng(monkeypatch):
+    """``impl="hardware"`` runs in interpret mode with :func:`emulated_hardware_tile_bits`: which
+    tile of the whole tensor each element's bits come from is then checked on CPU."""
+    monkeypatch.setattr(prng, "hardware_tile_bits", emulated_hardware_tile_bits)
+    monkeypatch.setattr(prng, "check_can_run", lambda impl, interpret: prng.check_impl(impl))
+
+
+def as_int32(bits):
+    return jax.lax.bitcast_convert_type(bits, jnp.int32)
+
+
+# (global shape, shards per dim, shared over the first dim, blocks of the whole and the shard).
+HARDWARE_SHARDED = [
+    ((64, 1024), (4, 1), False, None),                     # view (64, 1024): one 8-row band of tiles per shard
+    ((4, 6, 2048), (2, 1, 1), False, Blocks(8, 128)),      # view (48, 1024): 3 bands per shard
+    ((5, 4, 256), (1, 2, 1), True, None),                  # one mask row of 1024: 4 tiles per shard
+    ((4, 2, 256), (2, 1, 1), True, Blocks(8, 128)),        # split over the shared dim: the whole mask row
+]
+
+
+@pytest.mark.parametrize("global_shape,tiles,shared,blocks", HARDWARE_SHARDED)
+def test_hardware_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_prng, global_shape, tiles,
+                                                             shared, blocks):
+    noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(5)), transform=as_int32,
+                              out_dtype=jnp.int32, impl="hardware", interpret=True, blocks=blocks,
+                              shared_over_first_dim=shared)
+    expected = np.asarray(noise(global_shape))
+    shard = tuple(size // count for size, count in zip(global_shape, tiles))
+    strides = [int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
+    if shared:
+        strides[0] = 0
+    for index in np.ndindex(*tiles):
+        start = [i * size for i, size in zip(index, shard)]
+        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+        got = noise(shard, global_shape=global_shape, shard_offset=offset)
+        part = tuple(slice(s, s + size) for s, size in zip(start, shard))
+        np.testing.assert_array_equal(np.asarray(got), expected[part], err_msg=str(index))
+    drawn = expected[0] if shared else expected
+    assert len(np.unique(drawn)) > drawn.size // 2  # distinct tiles, not one repeated
+
+
+@pytest.mark.parametrize("shard,global_shape", [((16, 256), (16, 1024)), ((4, 1024), (16, 1024))],
+                         ids=["columns", "half a band"])
+def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shape):
+    with pytest.raises(ValueError, match="whole tensor's 16x1024 view.*threefry"):
+        elementwise.hardware_view(shard, global_shape)

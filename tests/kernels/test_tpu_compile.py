@@ -116,6 +116,21 @@ def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
                                            jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
 
 
+# The hardware PRNG's shards are whole 8-row bands of the whole tensor's view: split rows
+# (over one mesh axis, over both), and the shared mask of a (T, B, F) tensor split over B.
+HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048), P(("data", "model"), None), False),
+                          ((8, 64, 2048), P(None, ("data", "model"), None), True)]
+
+
+def test_hardware_dropout_per_shard_on_a_2x2_topology(generation):
+    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    for shape, spec, shared in HARDWARE_SHARDED_NOISE:
+        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False, impl="hardware",
+                                   shared_over_first_dim=shared)
+        assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+                                       jax.ShapeDtypeStruct(shape, jnp.float32), generation=generation)
+
+
 @pytest.mark.parametrize("nonlinearity", indrnn.NONLINEARITIES)
 def test_indrnn_per_shard_on_a_2x2_topology(generation, nonlinearity):
     T, B, F = 64, 64, 2048

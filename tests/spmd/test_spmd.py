@@ -164,8 +164,6 @@ def test_errors_name_what_is_not_supported():
         torch_pallas.random.uniform((16, 512), mesh=mesh)
     with pytest.raises(ValueError, match="one entry per dim"):
         torch_pallas.random.uniform((16, 512), mesh=mesh, partition_spec=("data",))
-    with pytest.raises(ValueError, match="threefry"):
-        torch_pallas.random.uniform((16, 512), mesh=mesh, partition_spec=("data", None), impl="hardware")
 
 
 def test_readme_spmd_snippet_runs():

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -28,9 +29,9 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
     chunk_rows, chunk_cols = chunk_shape
     base = None
     if sharded:
-        # A shard of a larger tensor: the global index of its first element arrives as data,
-        # so one compiled kernel serves every shard.
-        base = offset_ref[0].astype(jnp.uint32)
+        # A shard of a larger tensor: the global index of its first element (hardware: of
+        # its first tile) arrives as data, so one compiled kernel serves every shard.
+        base = offset_ref[0] if impl == prng.HARDWARE else offset_ref[0].astype(jnp.uint32)
     if outer_stride is not None:
         # The outer grid axis walks a dim of the shard that the 2-D view cannot fold in.
         base = base + pl.program_id(0).astype(jnp.uint32) * np.uint32(outer_stride)
@@ -113,6 +114,54 @@ def check_index_dims(shape, global_shape, shared_over_first_dim: bool = False) -
     return dims
 
 
+def hardware_view(shape, global_shape, shared_over_first_dim: bool = False) -> tuple[int, int, bool, int]:
+    """``(rows, cols, shared_row, global_cols)`` for ``impl="hardware"``: the 2-D view of a
+    tensor of ``shape``, a shard of ``global_shape`` (or all of it), whether every row draws
+    the first row's noise, and the width of the whole tensor's view.
+
+    The hardware PRNG is seeded per (8, 128) tile of the whole tensor's view, padded to whole
+    tiles: the elements of ``global_shape[1:]`` in one row for a mask shared over the first
+    dim, else :func:`tiling.view_2d` of ``global_shape``. A shard draws its part of that
+    noise when it is whole tiles of that view: a contiguous run of whole 8-row bands of it
+    (a split over the first dims), or of whole 128-element tiles of a one-row view.
+
+    Raises:
+        ValueError: a shard that is not whole tiles of the whole tensor's view.
+    """
+    global_dims = index_dims(global_shape, global_shape, shared_over_first_dim)
+    shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
+    numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
+    global_cols = numel if shared_row else tiling.view_2d(global_shape)[1]
+    part = [size for size, stride in index_dims(shape, global_shape, shared_over_first_dim) if stride]
+    band = global_cols * tiling.SUBLANES if numel > global_cols else tiling.LANES
+    if len(part) != 1 or (part[0] != numel and part[0] % band):
+        raise ValueError(
+            f'impl="hardware" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
+            f"its noise is seeded per {tiling.TILE} tile of the whole tensor's "
+            f"{numel // global_cols}x{global_cols} view, so a shard must be a contiguous run of "
+            f"{band}-element bands of it (split the first dims only, in whole bands); "
+            f'use impl="threefry" (the default)')
+    size = part[0]
+    rows, cols = (1, size) if numel == global_cols else (size // global_cols, global_cols)
+    if shared_row:
+        rows = shape[0]
+    return rows, cols, shared_row, global_cols
+
+
+def _first_tile(shard_offset: jax.Array, global_cols: int) -> jax.Array:
+    """int32 (1,): the index of a shard's first tile in the whole tensor's view (see
+    :func:`hardware_view`), from the flat index of its first element."""
+    offset = lax.bitcast_convert_type(shard_offset, jnp.uint32)
+    band = global_cols * tiling.SUBLANES
+    tiles_per_band = tiling.round_up(global_cols, tiling.LANES) // tiling.LANES
+    if band >= 2**32:  # a one-row view: every offset lies in its first band
+        first = offset // np.uint32(tiling.LANES)
+    else:
+        first = (offset // np.uint32(band) * np.uint32(tiles_per_band)
+                 + offset % np.uint32(band) // np.uint32(tiling.LANES))
+    return lax.bitcast_convert_type(first, jnp.int32)
+
+
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
               shared_over_first_dim: bool = False, global_shape=None,
@@ -142,31 +191,34 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
             shard runs the same compiled kernel.
 
     Raises:
-        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard, a
+        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard
+            that is not whole tiles of the whole tensor's view (:func:`hardware_view`), a
             shard that is split along more than two dims besides the first, or blocks
             that :func:`tiling.resolve_elementwise` rejects.
     """
-    prng.check_impl(impl)
+    prng.check_can_run(impl, interpret)
     hardware = impl == prng.HARDWARE
-    if hardware and interpret:
-        raise ValueError('impl="hardware" runs only compiled on TPU; use impl="threefry" in interpret mode')
     sharded = global_shape is not None
-    if sharded and hardware:
-        raise ValueError('impl="hardware" does not run on shards of a sharded tensor; use impl="threefry"')
-    dims = check_index_dims(shape, global_shape if sharded else shape, shared_over_first_dim)
-    outer, outer_stride = (dims[0][0], dims[0][1]) if len(dims) == 3 else (1, None)
-    if len(dims) == 1:
-        # Contiguous: any 2-D view keeps the flat order, so take the lane-dense one.
-        rows, cols = tiling.view_2d(shape)
-        row_stride = cols
-    else:
-        (rows, row_stride), (cols, _) = dims[-2:]
-    view_rows, view_cols = rows, cols
+    outer, outer_stride = 1, None
     if hardware:
+        rows, cols, shared_row, global_cols = hardware_view(shape, global_shape if sharded else shape,
+                                                            shared_over_first_dim)
         # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
         view_rows, view_cols = tiling.round_up(rows, tiling.SUBLANES), tiling.round_up(cols, tiling.LANES)
-        if row_stride:  # a padded view's rows are its (padded) width apart; 0 stays shared
-            row_stride = view_cols
+        row_stride = 0 if shared_row else view_cols
+        if sharded:
+            shard_offset = _first_tile(shard_offset, global_cols)
+    else:
+        dims = check_index_dims(shape, global_shape if sharded else shape, shared_over_first_dim)
+        if len(dims) == 3:
+            outer, outer_stride = dims[0]
+        if len(dims) == 1:
+            # Contiguous: any 2-D view keeps the flat order, so take the lane-dense one.
+            rows, cols = tiling.view_2d(shape)
+            row_stride = cols
+        else:
+            (rows, row_stride), (cols, _) = dims[-2:]
+        view_rows, view_cols = rows, cols
     itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
                                         whole_tiles=hardware)

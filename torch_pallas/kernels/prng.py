@@ -48,6 +48,14 @@ def check_impl(impl: str) -> str:
     return arguments.check_one_of("impl", impl, IMPLS)
 
 
+def check_can_run(impl: str, interpret: bool) -> None:
+    """Raises ValueError for an unknown ``impl``, or ``"hardware"`` in interpret mode (the
+    hardware PRNG has no CPU rule, and TPU interpret mode makes it zeros)."""
+    check_impl(impl)
+    if impl == HARDWARE and interpret:
+        raise ValueError('impl="hardware" runs only compiled on TPU; use impl="threefry" in interpret mode')
+
+
 def read_key(key_data_ref) -> tuple[jax.Array, jax.Array]:
     """The two key words from an SMEM ref of int32 shape (2,), as uint32 scalars."""
     return key_data_ref[0].astype(jnp.uint32), key_data_ref[1].astype(jnp.uint32)
@@ -144,13 +152,15 @@ def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int
     """uint32 random bits for the (rows, cols) chunk at position (row0, col0) of a 2-D view.
 
     ``row_stride`` and ``base``: see :func:`block_flat_index`. For ``impl="hardware"`` the
-    view is a whole tensor (no ``base``), ``row_stride`` its width, the chunk one tile at a
-    tile's position, and ``key_data_ref`` holds :func:`hardware_key_data`.
+    view is padded to whole tiles, ``row_stride`` its width, the chunk one tile at a tile's
+    position, ``base`` (int32) the index of the view's first tile in the whole tensor's
+    view, and ``key_data_ref`` holds :func:`hardware_key_data`.
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, row_stride, base))
-    return hardware_tile_bits(key_data_ref, tile_index(row0, col0, row_stride))
+    index = tile_index(row0, col0, row_stride)
+    return hardware_tile_bits(key_data_ref, index if base is None else index + base)
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:

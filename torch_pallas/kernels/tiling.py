@@ -169,10 +169,10 @@ def chunk_shape(blocks: ElementwiseBlocks, *, interpret: bool, whole_tiles: bool
     mode; on TPU a few vregs, so that the threefry rounds' live values stay in registers
     (a (1, 262144) chunk spilled 24 MiB and overflowed v4's VMEM); one tile for the
     hardware PRNG, which is seeded per tile."""
-    if interpret:
-        return blocks.rows, blocks.cols
     if whole_tiles:
         return TILE
+    if interpret:
+        return blocks.rows, blocks.cols
     cols = next((c for c in (_TPU_CHUNK_COLS, 512, 256, LANES) if blocks.cols % c == 0), blocks.cols)
     rows = next((r for r in (32, 16, SUBLANES) if blocks.rows % r == 0 and r * cols <= _TPU_CHUNK_ELEMENTS),
                 SUBLANES if blocks.rows % SUBLANES == 0 else blocks.rows)
