@@ -3,9 +3,9 @@
 The model (a projection with ``torch.nn.Dropout``, converted by ``torch_pallas.convert_dropout``,
 then a two-layer ``torch_pallas.nn.IndRNN`` with dropout between layers, then a classifier) is
 wrapped unchanged in ``SpmdFullyShardedDataParallel``: its parameters are sharded over the
-mesh's ``fsdp`` axis and each batch is split over it. The IndRNN is given the batch's
-``partition_spec``, so its kernels and its dropout run on each device's shard of the batch
-under ``torch.compile`` too. The script trains it compiled (``backend="openxla"``) and eagerly,
+mesh's ``fsdp`` axis and each batch is split over it. ``convert_dropout`` and the IndRNN are
+given the activations' ``partition_spec``, so every dropout and recurrence kernel runs on
+each device's shard of the batch, under ``torch.compile`` too. The script trains it compiled (``backend="openxla"``) and eagerly,
 and prints the loss next to that of the same model trained unsharded with the same seeds
 (every device holding the whole batch and every parameter), and the XLA compiles after warm-up.
 
@@ -31,12 +31,10 @@ import torch_pallas  # noqa: E402
 
 
 class SequenceClassifier(torch.nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int, mesh=None):
+    def __init__(self, features: int, hidden: int, classes: int, batch_split: dict):
         super().__init__()
         self.project = torch.nn.Linear(features, hidden)
         self.dropout = torch.nn.Dropout(0.2)
-        # (batch, time, features): the batch split over the mesh's fsdp axis, as FSDPv2 splits it.
-        batch_split = {} if mesh is None else dict(mesh=mesh, partition_spec=("fsdp", None, None))
         self.rnn = torch_pallas.nn.IndRNN(hidden, hidden, num_layers=2, nonlinearity="tanh", dropout=0.1,
                                          batch_first=True, **batch_split)
         self.classify = torch.nn.Linear(hidden, classes)
@@ -66,8 +64,11 @@ def train(*, sharded: bool, compiled: bool = True, num_steps: int = 12, warm_up:
     torch._dynamo.reset()
     mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (xr.global_runtime_device_count(), 1),
                    ("fsdp", "model"))
+    # The activations are (batch, time, features), the batch split over the mesh's fsdp axis as
+    # FSDPv2 splits it: the dropout and IndRNN kernels run on each device's shard.
+    batch_split = dict(mesh=mesh, partition_spec=("fsdp", None, None)) if sharded else {}
     torch.manual_seed(0)
-    model = torch_pallas.convert_dropout(SequenceClassifier(features, hidden, classes, mesh if sharded else None))
+    model = torch_pallas.convert_dropout(SequenceClassifier(features, hidden, classes, batch_split), **batch_split)
     model = model.to(device)
     if sharded:
         model = SpmdFullyShardedDataParallel(model, mesh=mesh)

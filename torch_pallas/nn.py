@@ -137,7 +137,7 @@ _REPLACEMENTS = {torch.nn.Dropout: Dropout, torch.nn.Dropout1d: Dropout1d, torch
                  torch.nn.Dropout3d: Dropout3d}
 
 
-def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
+def convert_dropout(model: torch.nn.Module, *, impl=None, mesh=None, partition_spec=None) -> torch.nn.Module:
     """Replaces every :class:`torch.nn.Dropout`, ``Dropout1d``, ``Dropout2d`` and ``Dropout3d``
     in ``model`` (nested too) with its torch_pallas counterpart (:class:`Dropout`, ...).
 
@@ -151,18 +151,30 @@ def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
     Args:
         model (nn.Module): converted in place.
         impl (str, optional): passed to every new module.
+        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
+            passed to every new :class:`Dropout` (not to the channel variants, which run on
+            the whole tensor): in SPMD mode, how the activations they see are sharded, for
+            example ``("fsdp", None, None)`` for the (batch, sequence, features) activations
+            of a model trained with FSDPv2. Every such dropout must then see tensors of
+            that rank (a ValueError otherwise). Give both or neither.
 
     Returns:
         nn.Module: ``model``, or the replacement if ``model`` itself is a dropout module.
+
+    Raises:
+        ValueError: an unknown ``impl``, ``impl="hardware"`` off TPU, or only one of
+            ``mesh`` and ``partition_spec``.
     """
     _checks.resolve_impl(impl)
+    sharded = {} if mesh is None and partition_spec is None else dict(mesh=mesh, partition_spec=partition_spec)
+    _module_sharding(mesh, partition_spec)  # raises before anything is replaced
     if type(model) in _REPLACEMENTS:
-        return _replacement(model, impl)
+        return _replacement(model, impl, sharded)
     converted = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) in _REPLACEMENTS:
-                setattr(parent, name, _replacement(child, impl))
+                setattr(parent, name, _replacement(child, impl, sharded))
                 converted.append(f"{parent_name}.{name}" if parent_name else name)
     _logger.info("convert_dropout: converted %d dropout modules: %s", len(converted), ", ".join(converted))
     if not converted:
@@ -171,8 +183,9 @@ def convert_dropout(model: torch.nn.Module, *, impl=None) -> torch.nn.Module:
     return model
 
 
-def _replacement(module: torch.nn.Module, impl) -> torch.nn.Module:
-    replacement = _REPLACEMENTS[type(module)](module.p, module.inplace, impl=impl)
+def _replacement(module: torch.nn.Module, impl, sharded: dict) -> torch.nn.Module:
+    options = sharded if type(module) is torch.nn.Dropout else {}
+    replacement = _REPLACEMENTS[type(module)](module.p, module.inplace, impl=impl, **options)
     replacement.train(module.training)
     return replacement
 

@@ -117,9 +117,13 @@ class Sharding:
         """Each device's shard of a tensor of ``shape``.
 
         Raises:
-            ValueError: a dim that does not split evenly (XLA would pad its last shards,
-                and a kernel cannot tell padding from data).
+            ValueError: a rank other than the sharding's, or a dim that does not split
+                evenly (XLA would pad its last shards, and a kernel cannot tell padding
+                from data).
         """
+        if len(shape) != len(self.tiles):
+            raise ValueError(f"{name} of shape {tuple(shape)} has {len(shape)} dims, but its sharding splits "
+                             f"{len(self.tiles)} dims ({self.text}): give a partition_spec of its rank")
         for dim, (size, tiles) in enumerate(zip(shape, self.tiles)):
             if size % tiles:
                 raise ValueError(f"{name} of shape {tuple(shape)} is split into {tiles} shards along dim {dim}, "

@@ -209,6 +209,24 @@ def test_dropout_module_with_a_partition_spec_runs_per_shard_under_compile():
     assert abs(keep.float().mean().item() - 0.7) < 0.03
 
 
+def test_convert_dropout_gives_its_dropout_modules_the_partition_spec():
+    mesh, spec = mesh_of("2x2"), ("data", "model")
+    model = torch_pallas.convert_dropout(torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Dropout1d(0.3)),
+                                         mesh=mesh, partition_spec=spec)
+    assert model[0].partition_spec == spec and getattr(model[1], "partition_spec", None) is None
+    values = torch.rand(16, 512) + 0.5
+    torch_xla.manual_seed(3)
+    y = model[0](values.to(DEVICE))
+    torch_xla.sync()
+    assert spec_of(y) == Sharding_text(mesh, spec, (16, 512))
+    torch_xla.manual_seed(3)
+    torch.testing.assert_close(y.cpu(), torch_pallas.nn.Dropout(0.3)(values.to(DEVICE)).cpu(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dims"):
+        model[0](torch.ones(4, 16, 512, device=DEVICE))
+    with pytest.raises(ValueError, match="go together"):
+        torch_pallas.convert_dropout(torch.nn.Dropout(), mesh=mesh)
+
+
 def test_function_mesh_arguments_under_compile_run_whole_with_the_same_mask():
     mesh = mesh_of("2x2")
     compiled = torch.compile(
