@@ -162,12 +162,12 @@ def convert_dropout(model: torch.nn.Module, *, impl=None, mesh=None, partition_s
         nn.Module: ``model``, or the replacement if ``model`` itself is a dropout module.
 
     Raises:
-        ValueError: an unknown ``impl``, ``impl="hardware"`` off TPU, or only one of
-            ``mesh`` and ``partition_spec``.
+        ValueError: an unknown ``impl``, ``impl="hardware"`` off TPU, only one of ``mesh``
+            and ``partition_spec``, or a mesh outside SPMD mode.
     """
     _checks.resolve_impl(impl)
-    sharded = {} if mesh is None and partition_spec is None else dict(mesh=mesh, partition_spec=partition_spec)
     _module_sharding(mesh, partition_spec)  # raises before anything is replaced
+    sharded = dict(mesh=mesh, partition_spec=partition_spec)
     if type(model) in _REPLACEMENTS:
         return _replacement(model, impl, sharded)
     converted = []
