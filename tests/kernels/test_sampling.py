@@ -119,18 +119,26 @@ sample_shard = jax.jit(sampling.sample, static_argnames=(
     "shape", "distribution", "interpret", "blocks", "global_shape"))
 
 
+def shards(global_shape, tiles, shared_over_first_dim=False):
+    """``(index, shard shape, shard_offset, slices of the whole)`` for every shard of a tensor
+    of ``global_shape`` split into ``tiles`` per dim, its offset as the kernels take it."""
+    shard = tuple(size // count for size, count in zip(global_shape, tiles))
+    strides = [int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
+    if shared_over_first_dim:
+        strides[0] = 0
+    for index in np.ndindex(*tiles):
+        start = [i * size for i, size in zip(index, shard)]
+        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+        yield index, shard, offset, tuple(slice(s, s + size) for s, size in zip(start, shard))
+
+
 @pytest.mark.parametrize("global_shape,tiles,blocks", SHARDED)
 def test_every_shard_holds_its_part_of_the_unsharded_numbers(global_shape, tiles, blocks):
     seed = SEEDS[3]
     expected = np.asarray(jax.random.uniform(jax_key(seed), global_shape))
-    shard = tuple(size // count for size, count in zip(global_shape, tiles))
-    strides = [int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
-    for index in np.ndindex(*tiles):
-        start = [i * size for i, size in zip(index, shard)]
-        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+    for index, shard, offset, part in shards(global_shape, tiles):
         got = sample_shard(key_data(seed), shape=shard, distribution="uniform", interpret=True, blocks=blocks,
                            global_shape=global_shape, shard_offset=offset)
-        part = tuple(slice(s, s + size) for s, size in zip(start, shard))
         np.testing.assert_array_equal(as_bits(got), as_bits(expected[part]), err_msg=str(index))
 
 
@@ -188,15 +196,8 @@ def test_hardware_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_pr
                               out_dtype=jnp.int32, impl="hardware", interpret=True, blocks=blocks,
                               shared_over_first_dim=shared)
     expected = np.asarray(noise(global_shape))
-    shard = tuple(size // count for size, count in zip(global_shape, tiles))
-    strides = [int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
-    if shared:
-        strides[0] = 0
-    for index in np.ndindex(*tiles):
-        start = [i * size for i, size in zip(index, shard)]
-        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+    for index, shard, offset, part in shards(global_shape, tiles, shared):
         got = noise(shard, global_shape=global_shape, shard_offset=offset)
-        part = tuple(slice(s, s + size) for s, size in zip(start, shard))
         np.testing.assert_array_equal(np.asarray(got), expected[part], err_msg=str(index))
     drawn = expected[0] if shared else expected
     assert len(np.unique(drawn)) > drawn.size // 2  # distinct tiles, not one repeated
