@@ -123,6 +123,60 @@ def time_jax(fn, *args, warmup: int = 2, repeats: int = 10) -> Timing:
     return Timing(median, min(samples), repeats, compile_s=max(first - median / 1e3, 0.0), compiles=1)
 
 
+class Contender:
+    """One implementation for :func:`time_round_robin`: ``Contender.xla(fn)`` for a function
+    returning the tensors it computes on the XLA device, ``Contender.jax(fn, *args)`` for a
+    jitted JAX function."""
+
+    def __init__(self, run, on_xla: bool):
+        self.run, self.on_xla = run, on_xla
+
+    @classmethod
+    def xla(cls, fn):
+        return cls(lambda: wait_for_xla(fn()), on_xla=True)
+
+    @classmethod
+    def jax(cls, fn, *args):
+        import jax
+
+        return cls(lambda: jax.block_until_ready(fn(*args)), on_xla=False)
+
+
+def time_round_robin(contenders: dict, *, warmup: int = 2, repeats: int = 10) -> dict:
+    """Times several implementations of one computation in rounds, each round running every
+    contender once, so that a slow phase of the machine (this VM's speed moves by 1.5x over
+    minutes) falls on all of them alike rather than on whichever was being timed in it.
+
+    Returns a :class:`Timing` per name. Compile time is torch_xla's CompileTime metric over an
+    XLA contender's warm-up calls, and a JAX contender's first call less its median.
+    """
+    compiled, first_call = {}, {}
+    for name, contender in contenders.items():
+        count0, seconds0 = _compile_metric()
+        start = time.perf_counter()
+        contender.run()
+        first_call[name] = time.perf_counter() - start
+        for _ in range(warmup - 1):
+            contender.run()
+        count1, seconds1 = _compile_metric()
+        compiled[name] = (count1 - count0, seconds1 - seconds0)
+    samples = {name: [] for name in contenders}
+    compiles_after = dict.fromkeys(contenders, 0)
+    for _ in range(repeats):
+        for name, contender in contenders.items():
+            count0, _ = _compile_metric()
+            start = time.perf_counter()
+            contender.run()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+            compiles_after[name] += _compile_metric()[0] - count0
+    timings = {}
+    for name, contender in contenders.items():
+        median = statistics.median(samples[name])
+        count, seconds = compiled[name] if contender.on_xla else (1, max(first_call[name] - median / 1e3, 0.0))
+        timings[name] = Timing(median, min(samples[name]), repeats, seconds, count, compiles_after[name])
+    return timings
+
+
 def machine() -> dict:
     import jax
     import torch
@@ -161,7 +215,8 @@ def write(name: str, payload: dict, table_md: str, plot) -> None:
               f"torch {payload['machine']['torch']}, torch_xla {payload['machine']['torch_xla']}, "
               f"jax {payload['machine']['jax']}; mode: {payload.get('mode')}; {payload['machine']['date']}. "
               f"GPU: {payload['machine']['gpu']}. glibc malloc: {payload['machine']['allocator']} (set by `./dev bench`). "
-              f"Every row of this file was measured in one process, one after another.\n\n")
+              f"Every row of this file was measured in one process, one after another unless the notes "
+              f"below the table say otherwise.\n\n")
     (RESULTS / f"{name}.md").write_text(header + table_md)
     if plot is not None:
         import matplotlib
