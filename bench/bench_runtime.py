@@ -26,7 +26,7 @@ import torch_xla.debug.metrics as metrics
 import torch_pallas
 from torch_pallas.kernels import indrnn as kernels
 from bench_indrnn import SCAN_GRADIENTS
-from common import markdown_table, write
+from common import markdown_table, result_probe, write
 
 PARTS = ("build the lazy graph", "sync", "execute (ExecuteTime)", "wall")
 
@@ -35,9 +35,7 @@ def _split_call(fn) -> dict:
     """One call of ``fn`` on the XLA device, its wall time split into :data:`PARTS` (ms)."""
     metrics.clear_metrics()
     start = time.perf_counter()
-    outputs = fn()
-    probes = [t[(slice(0, 1),) * t.dim()].float().sum() for t in outputs]
-    total = sum(probes[1:], probes[0])
+    total = result_probe(fn())
     built = time.perf_counter()
     torch_xla.sync()
     synced = time.perf_counter()

@@ -41,30 +41,39 @@ def _compile_metric():
     return (0, 0.0) if data is None else (int(data[0]), float(data[1]) / 1e9)
 
 
-def wait_for_xla(outputs=()) -> None:
-    """Runs the pending lazy graph and returns once ``outputs`` exist on the device.
-
-    Neither ``torch_xla.sync(wait=True)`` nor ``xm.wait_device_ops()`` reliably waited for
-    execution on the CPU client (a dropout timed at 4 ms that takes 25 ms in JAX directly),
-    so one element of every output is put in the same graph, and their sum fetched: a buffer
-    cannot be read before it has been computed. The fetch costs a few bytes.
+def result_probe(outputs):
+    """One scalar in the pending lazy graph that holds an element of every non-empty tensor in
+    ``outputs`` (a tensor, or a tuple or list of them), or ``None`` when there is none: fetching
+    it waits for the run that computes them (see :func:`wait_for_xla`).
 
     The element is taken by slicing every dimension, not as ``t.reshape(-1)[:1]``: torch_xla
     makes the flattened view a graph output of its own, which XLA must copy into a fresh
     full-size buffer (an extra pass over the tensor and, on the CPU client, a page fault per
     4 KiB of it on every run). Sliced in place, the views it keeps are at most ``t[:1]``.
+    The elements are added into one scalar and fetched once: fetching an element of an
+    SPMD-sharded tensor itself runs a program that replicates it (~26 ms each on 4 CPU
+    devices, which the sharded rows once counted as dropout time).
     """
     import torch
-    import torch_xla
 
     tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
                if isinstance(t, torch.Tensor) and t.numel()]
-    # The elements are added into one scalar and fetched once: fetching an element of an
-    # SPMD-sharded tensor itself runs a program that replicates it (~26 ms each on 4 CPU
-    # devices, which the sharded rows once counted as dropout time).
     probes = [t[(slice(0, 1),) * t.dim()].float().sum() for t in tensors]
-    if probes:
-        total = sum(probes[1:], probes[0])
+    return sum(probes[1:], probes[0]) if probes else None
+
+
+def wait_for_xla(outputs=()) -> None:
+    """Runs the pending lazy graph and returns once ``outputs`` exist on the device.
+
+    Neither ``torch_xla.sync(wait=True)`` nor ``xm.wait_device_ops()`` reliably waited for
+    execution on the CPU client (a dropout timed at 4 ms that takes 25 ms in JAX directly),
+    so one element of every output is put in the same graph (:func:`result_probe`), and
+    fetched: a buffer cannot be read before it has been computed. The fetch costs a few bytes.
+    """
+    import torch_xla
+
+    total = result_probe(outputs)
+    if total is not None:
         torch_xla.sync()
         total.cpu()
     else:
@@ -75,22 +84,7 @@ def wait_for_xla(outputs=()) -> None:
 
 def time_xla(fn, *, warmup: int = 2, repeats: int = 10) -> Timing:
     """Times ``fn`` (which returns the tensors it computes) on the XLA device."""
-
-    def run():
-        wait_for_xla(fn())
-
-    count0, seconds0 = _compile_metric()
-    for _ in range(warmup):
-        run()
-    count1, seconds1 = _compile_metric()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - start) * 1e3)
-    count2, _ = _compile_metric()
-    return Timing(statistics.median(samples), min(samples), repeats, seconds1 - seconds0, count1 - count0,
-                  count2 - count1)
+    return time_round_robin({"": Contender.xla(fn)}, warmup=warmup, repeats=repeats)[""]
 
 
 def time_host(fn, *, warmup: int = 2, repeats: int = 10) -> Timing:
@@ -107,20 +101,7 @@ def time_host(fn, *, warmup: int = 2, repeats: int = 10) -> Timing:
 
 def time_jax(fn, *args, warmup: int = 2, repeats: int = 10) -> Timing:
     """Times a jitted JAX function; its first call (trace + compile) is reported as compile time."""
-    import jax
-
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    for _ in range(warmup - 1):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append((time.perf_counter() - start) * 1e3)
-    median = statistics.median(samples)
-    return Timing(median, min(samples), repeats, compile_s=max(first - median / 1e3, 0.0), compiles=1)
+    return time_round_robin({"": Contender.jax(fn, *args)}, warmup=warmup, repeats=repeats)[""]
 
 
 class Contender:
