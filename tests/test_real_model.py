@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from torch_pallas import bridge
 from torch_pallas.kernels import dropout as dropout_kernels
 
-pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_transformer  # noqa: E402
 
@@ -54,3 +55,44 @@ def test_compiled_training_with_checkpointing_learns_and_compiles_nothing_after_
     losses, compiles = train_transformer.train(steps=8)
     assert compiles[2] == compiles[-1], compiles
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def gpt2_on_sdpa():
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.1,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama_on_sdpa():
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      attention_dropout=0.1, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("make_model", [gpt2_on_sdpa, llama_on_sdpa])
+def test_routed_model_on_sdpa_attention_compiles_fullgraph_and_trains(make_model):
+    """A warning on a traced path once broke these compiles (GPT-2 crashed, fullgraph failed)."""
+    torch.manual_seed(0)
+    model = make_model().to(torch_xla.device()).train()
+    assert model.config._attn_implementation == "sdpa"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.randint(0, 128, (2, 16)).to(torch_xla.device())
+
+    def loss_of(ids):
+        with torch_pallas.route_dropout():
+            logits = model(input_ids=ids).logits  # (HF's own loss function logs, which dynamo refuses)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+
+    step = torch.compile(loss_of, backend="openxla", fullgraph=True)
+    losses, compiles = [], []
+    for _ in range(4):
+        loss = step(ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1] == compiles[-1], compiles
+    assert losses[-1] < losses[0] - 0.3, losses

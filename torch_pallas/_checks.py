@@ -7,6 +7,7 @@ The rules shared with the kernels (choices, probabilities, the element limit) li
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 
@@ -83,3 +84,15 @@ def check_lengths(lengths, device: torch.device, steps: int, batch: int) -> torc
     if lengths.device.type == "cpu" and batch and not (0 <= int(lengths.min()) and int(lengths.max()) <= steps):
         raise ValueError(f"lengths must be in [0, {steps}] (the padded length), got {lengths.tolist()}")
     return lengths.to(device=device, dtype=torch.int32)
+
+
+@torch.compiler.assume_constant_result
+def warn(message: str, stacklevel: int) -> bool:
+    """``warnings.warn(message)`` (a UserWarning) on behalf of the public function's caller, in
+    a form ``torch.compile`` accepts: dynamo cannot trace ``warnings.warn`` (the graph breaks,
+    and under ``route_dropout`` compiled transformers crashed), so it runs this function once
+    while tracing, outside the graph, and keeps its constant result. In eager mode Python's
+    default filter shows it once per call site. ``stacklevel`` counts as ``warnings.warn``'s
+    does from the function calling this one."""
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+    return True

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -143,13 +142,13 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
             raise ValueError(f"dropout1d expects a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
         if x.dim() not in (spatial_dims + 1, spatial_dims + 2):
             # torch warns (and goes on) in the same words
-            warnings.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
-                          f"in an error in a future release. To retain the behavior and silence this warning, "
-                          f"please use dropout instead.", stacklevel=5)
+            _checks.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
+                         f"in an error in a future release. To retain the behavior and silence this warning, "
+                         f"please use dropout instead.", stacklevel=5)
         if name == "dropout2d" and x.dim() == 3:
-            warnings.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
-                          "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
-                          "dim. Use dropout1d to keep this behavior.", stacklevel=5)
+            _checks.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
+                         "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
+                         "dim. Use dropout1d to keep this behavior.", stacklevel=5)
 
     def masked(key_data, p, impl):
         # torch.nn.functional.dropout2d takes any 3-D input as batched (N, C, L).

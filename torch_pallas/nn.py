@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import warnings
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -178,8 +177,8 @@ def convert_dropout(model: torch.nn.Module, *, impl=None, mesh=None, partition_s
                 converted.append(f"{parent_name}.{name}" if parent_name else name)
     _logger.info("convert_dropout: converted %d dropout modules: %s", len(converted), ", ".join(converted))
     if not converted:
-        warnings.warn(f"convert_dropout found no nn.Dropout/Dropout1d/2d/3d module in {type(model).__name__}; "
-                      "if its forward calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
+        _checks.warn(f"convert_dropout found no nn.Dropout/Dropout1d/2d/3d module in {type(model).__name__}; "
+                     "if its forward calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
     return model
 
 
@@ -277,7 +276,7 @@ class IndRNN(torch.nn.Module):
         check_nonlinearity(nonlinearity)
         self.dropout = _checks.check_probability(dropout, "dropout")
         if self.dropout > 0 and self.num_layers == 1:
-            warnings.warn("dropout acts between layers; with num_layers=1 it does nothing", stacklevel=2)
+            _checks.warn("dropout acts between layers; with num_layers=1 it does nothing", stacklevel=2)
         if recurrent_max_abs is not None and not (isinstance(recurrent_max_abs, numbers.Real)
                                                   and recurrent_max_abs > 0 and math.isfinite(recurrent_max_abs)):
             raise ValueError(f"recurrent_max_abs must be None or a positive finite number, got {recurrent_max_abs!r}")

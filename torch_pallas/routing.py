@@ -4,7 +4,6 @@ not ``nn.Dropout`` modules (``F.dropout`` calls in a model's forward) are reache
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +67,6 @@ class route_dropout(TorchFunctionMode):
             if input.device.type == "xla" and input.is_floating_point():
                 return ours(input, p, training, call.arguments.get("inplace", False), impl=self.impl)
         elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
-            # Python's default warning filter shows it once per call site; no state kept
-            # here, so that dynamo has nothing to guard on and recompile for.
-            warnings.warn(_SDPA_WARNING, stacklevel=2)
+            # No state kept here, so that dynamo has nothing to guard on and recompile for.
+            _checks.warn(_SDPA_WARNING, stacklevel=2)
         return func(*args, **kwargs)
