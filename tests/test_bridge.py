@@ -17,9 +17,12 @@ def test_interpret_mode_follows_the_device():
     assert bridge.default_noise_impl() == "threefry"  # on TPU too: bench/results/tpu_cost.md
 
 
-def test_non_xla_tensor_error_names_the_fix():
-    with pytest.raises(ValueError, match=r"x\.to\(torch_xla\.device\(\)\)"):
-        bridge.check_on_xla(torch.ones(2), "x")
+def test_devices_torch_pallas_runs_on_and_the_error_for_others_names_the_fix():
+    assert bridge.runs_on(torch_xla.device()) and bridge.runs_on(torch.device("cpu"))
+    assert not bridge.runs_on(torch.device("meta"))
+    bridge.check_device(torch.ones(2), "x")
+    with pytest.raises(ValueError, match=r"x is on meta.*x\.to\(torch_xla\.device\(\)\)"):
+        bridge.check_device(torch.ones(2, device="meta"), "x")
 
 
 def _double(x, *, scale, interpret):
@@ -27,11 +30,18 @@ def _double(x, *, scale, interpret):
     return x * scale
 
 
-def test_call_runs_a_jax_function_on_xla_tensors():
-    x = torch.arange(6, dtype=torch.float32, device=torch_xla.device())
+@pytest.mark.parametrize("device", ["xla", "cpu"])
+def test_call_runs_a_jax_function_on_the_tensors_device(device):
+    x = torch.arange(6, dtype=torch.float32, device=torch_xla.device() if device == "xla" else device)
     y = bridge.call(_double, x, scale=2.0)
-    assert y.device.type == "xla"
+    assert y.device.type == device
     torch.testing.assert_close(y.cpu(), torch.arange(6, dtype=torch.float32) * 2)
+
+
+def test_cpu_call_takes_tensors_that_require_grad_or_are_not_contiguous():
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4).requires_grad_()
+    y = bridge.call(_double, x.t(), scale=3.0)
+    assert torch.equal(y, x.detach().t() * 3) and not y.requires_grad
 
 
 @pytest.mark.skipif(ON_TPU or bool(os.environ.get("JAX_PLATFORMS")), reason="JAX picks its platforms itself there")

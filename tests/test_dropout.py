@@ -162,9 +162,9 @@ def test_keep_fraction_and_independence(p):
     (lambda x: torch_pallas.dropout(x, p=1.5), ValueError, "p must be in"),
     (lambda x: torch_pallas.dropout(x, p=-0.1), ValueError, "p must be in"),
     (lambda x: torch_pallas.dropout(x, p=float("nan")), ValueError, "p must be in"),
-    (lambda x: torch_pallas.dropout(x.long(), p=0.5), TypeError, "float32, bfloat16 or float16"),
-    (lambda x: torch_pallas.dropout(x > 0, p=0.5), TypeError, "float32, bfloat16 or float16"),
-    (lambda x: torch_pallas.dropout(x.cpu(), p=0.5), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda x: torch_pallas.dropout(x.long(), p=0.5), TypeError, "float32, bfloat16, float16 or float64"),
+    (lambda x: torch_pallas.dropout(x > 0, p=0.5), TypeError, "float32, bfloat16, float16 or float64"),
+    (lambda x: torch_pallas.dropout(x.to("meta"), p=0.5), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
     (lambda x: torch_pallas.dropout(x, p=0.5, seed=-1), ValueError, "seed"),
     (lambda x: torch_pallas.dropout(x, p=0.5, seed=2**64), ValueError, "seed"),
     (lambda x: torch_pallas.dropout(x, p=0.5, impl="philox"), ValueError, "impl"),
@@ -315,3 +315,66 @@ def test_channel_dropout_under_vmap_and_jvp():
     seeded = lambda x: torch_pallas.dropout1d(x, 0.5, seed=3)  # noqa: E731
     _, tangent = torch.func.jvp(seeded, (samples,), (torch.ones_like(samples),))
     torch.testing.assert_close(tangent.cpu(), (seeded(samples) / samples).cpu(), rtol=0, atol=0)
+
+
+def torch_dropout_given(keep, x, p):
+    """torch's dropout (``x * mask``, mask = keep / (1 - p)) with a given keep mask, on the CPU."""
+    mask = keep.cpu().to(x.dtype)
+    return x.cpu() * (mask / (1 - p) if p < 1 else mask)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.0, 3.0])
+    x = xla(values.repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE)).requires_grad_()
+    grad = xla(values.flip(0).repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE))
+    y = torch_pallas.dropout(x, p, seed=SEEDS[1])
+    y.backward(grad)
+    keep = torch_pallas.random.bernoulli(SHAPE, 1 - p, seed=SEEDS[1])
+    assert (~keep.cpu()).any()
+    # A dropped NaN or infinity is NaN (x * 0), as in torch's; a dropped -2.0 is -0.0.
+    torch.testing.assert_close(y.detach().cpu(), torch_dropout_given(keep, x.detach(), p), equal_nan=True,
+                               rtol=2e-7, atol=0)
+    torch.testing.assert_close(x.grad.cpu(), torch_dropout_given(keep, grad, p), equal_nan=True, rtol=2e-7, atol=0)
+    assert torch.equal(torch.signbit(y.detach().cpu()), torch.signbit(torch_dropout_given(keep, x.detach(), p)))
+    if p == 1.0:  # the same as torch's own dropout, mask or not
+        torch.testing.assert_close(y.detach().cpu(), torch.nn.functional.dropout(x.detach().cpu(), p), equal_nan=True)
+
+
+def test_float64_gets_the_float32_mask_and_is_scaled_in_float64():
+    x = positive(SHAPE, torch.float64).requires_grad_()
+    y = torch_pallas.dropout(x, 0.3, seed=SEEDS[2])
+    y.backward(xla(torch.ones(SHAPE, dtype=torch.float64)))
+    keep = torch_pallas.dropout(positive(SHAPE), 0.3, seed=SEEDS[2]).cpu() != 0
+    assert y.dtype == x.grad.dtype == torch.float64
+    assert torch.equal(y.detach().cpu(), torch.where(keep, x.detach().cpu() / 0.7, 0.0))
+    assert torch.equal(x.grad.cpu(), torch.where(keep, torch.ones((), dtype=torch.float64) / 0.7, 0.0))
+    with torch_pallas.route_dropout():  # routed too (torch's dropout takes float64)
+        torch_xla.manual_seed(3)
+        routed = torch.nn.functional.dropout(x.detach(), 0.3)
+    torch_xla.manual_seed(3)
+    assert torch.equal(routed.cpu(), torch_pallas.dropout(x.detach(), 0.3).cpu())
+    module_output = torch_pallas.nn.Dropout(0.3)(x.detach()).cpu()  # the module takes it too
+    assert module_output.dtype == torch.float64
+    assert ((module_output == 0) | (module_output == x.detach().cpu() / 0.7)).all()
+
+
+def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
+    x_cpu = positive(SHAPE).cpu().requires_grad_()
+    y = torch_pallas.dropout(x_cpu, 0.3, seed=SEEDS[3])
+    assert y.device.type == "cpu"
+    assert torch.equal(y.detach(), torch_pallas.dropout(xla(x_cpu.detach()), 0.3, seed=SEEDS[3]).cpu())
+    y.backward(torch.ones(SHAPE))
+    assert torch.equal(x_cpu.grad != 0, y.detach() != 0)
+    # Without a seed, keys come from torch's CPU generator (torch.manual_seed).
+    torch.manual_seed(5)
+    first = torch_pallas.dropout(x_cpu, 0.3)
+    torch.manual_seed(5)
+    assert torch.equal(first, torch_pallas.dropout(x_cpu, 0.3))
+    assert not torch.equal(first, torch_pallas.dropout(x_cpu, 0.3))
+    # vmap's per-sample keys are views at an offset of one tensor (copied to aligned buffers).
+    per_sample = torch.func.vmap(lambda t: torch_pallas.dropout(t, 0.5), randomness="different")(x_cpu.detach()[:4])
+    assert per_sample.shape == (4, 300) and not torch.equal(per_sample[0] != 0, per_sample[1] != 0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        x = positive(SHAPE, dtype)
+        assert torch.equal(torch_pallas.dropout(x.cpu(), 0.3, seed=1), torch_pallas.dropout(x, 0.3, seed=1).cpu())

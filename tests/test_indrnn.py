@@ -26,11 +26,11 @@ def random_case(shape, weight_range=(0.0, 1.0), seed=0):
     return x, weight, h0, grad_output, grad_h_n
 
 
-def check_against_reference(x, weight, h0, grad_output, grad_h_n, nonlinearity, batch_first=False):
+def check_against_reference(x, weight, h0, grad_output, grad_h_n, nonlinearity, batch_first=False, device=None):
     output, h_n = indrnn_reference(x, weight, h0, nonlinearity)
     expected_grads = indrnn_reference_gradients(output, weight, h0, grad_output, grad_h_n, nonlinearity)
 
-    device = torch_xla.device()
+    device = device or torch_xla.device()
     ours = [t.float().to(device).requires_grad_() for t in (x, weight, h0)]
     x_in = ours[0].transpose(0, 1) if batch_first else ours[0]
     got_output, got_h_n = torch_pallas.indrnn(x_in, ours[1], ours[2], nonlinearity=nonlinearity,
@@ -50,6 +50,10 @@ def check_against_reference(x, weight, h0, grad_output, grad_h_n, nonlinearity, 
 @pytest.mark.parametrize("shape", [(16, 8, 128), (37, 3, 200), (1, 4, 130)], ids=["aligned", "unaligned", "T=1"])
 def test_matches_float64_loop(shape, nonlinearity):
     check_against_reference(*random_case(shape), nonlinearity)
+
+
+def test_cpu_tensors_run_the_same_kernels_through_jax():
+    check_against_reference(*random_case((37, 3, 200)), "tanh", device="cpu")
 
 
 def test_batch_first():
@@ -135,7 +139,7 @@ def _xla(*shape, dtype=torch.float32):
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), nonlinearity="sigmoid"), ValueError, "nonlinearity"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8, dtype=torch.int32), _xla(8)), TypeError, "x must be float32"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8, dtype=torch.int64)), TypeError, "weight must be float32"),
-    (lambda: torch_pallas.indrnn(torch.zeros(4, 2, 8), _xla(8)), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda: torch_pallas.indrnn(torch.zeros(4, 2, 8, device="meta"), _xla(8)), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
     (lambda: torch_pallas.indrnn([[[0.0]]], _xla(1)), TypeError, "x must be a torch.Tensor"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4]), ValueError, r"lengths must have shape \(2,\)"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4, 5]), ValueError, r"lengths must be in \[0, 4\]"),

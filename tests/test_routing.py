@@ -98,3 +98,17 @@ def test_convert_dropout_warns_when_it_finds_no_module():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch_pallas.convert_dropout(FunctionalDropouts())
+
+
+def test_cpu_tensors_are_routed_as_converted_modules_run_them():
+    x = torch.rand(16, 256) + 0.5
+    with torch_pallas.route_dropout():
+        torch.manual_seed(4)
+        routed = F.dropout(x, 0.3)
+    module = torch_pallas.convert_dropout(torch.nn.Dropout(0.3)).train()
+    torch.manual_seed(4)
+    converted = module(x.requires_grad_())
+    torch.manual_seed(4)
+    assert torch.equal(routed, torch_pallas.dropout(x.detach(), 0.3)) and torch.equal(routed, converted.detach())
+    converted.sum().backward()
+    assert torch.equal(x.grad != 0, converted.detach() != 0)

@@ -16,6 +16,8 @@ from torch_pallas.kernels import prng
 from torch_pallas.kernels.arguments import check_numel, check_probability  # noqa: F401  (check_probability: re-exported)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch's dropout takes float64 too; its mask comes from the float32 kernel (ops/dropout.py).
+DROPOUT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
 def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
@@ -42,13 +44,15 @@ def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
-def check_float_tensor(tensor, name: str) -> torch.Tensor:
-    """A float32/bfloat16/float16 tensor on an XLA device, or TypeError/ValueError naming ``name``."""
+def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    """A tensor of one of ``dtypes`` on a device torch_pallas runs on (an XLA device or the
+    CPU), or TypeError/ValueError naming ``name``."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
-    bridge.check_on_xla(tensor, name)
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes[:-1])
+        raise TypeError(f"{name} must be {names} or {str(dtypes[-1]).removeprefix('torch.')}, got {tensor.dtype}")
+    bridge.check_device(tensor, name)
     return tensor
 
 

@@ -1,12 +1,15 @@
 """torch tensors in, a JAX function applied, torch tensors out.
 
-The only module that touches torch_xla's JAX interop. It decides, from the PJRT device,
-whether Pallas kernels run compiled (TPU) or in interpret mode (any other device), and
-which noise generator is the default there.
+The only module that touches torch_xla's JAX interop or hands torch tensors to JAX. XLA
+tensors go into the lazy XLA graph through ``call_jax``; tensors on a device JAX also has
+(the CPU) go to JAX through DLPack and the same kernels run there. It
+decides, from the device, whether Pallas kernels run compiled (TPU) or in interpret mode
+(any other device), and which noise generator is the default there.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -83,33 +86,99 @@ def default_noise_impl() -> str:
     return "threefry"
 
 
-def xla_device(device=None) -> torch.device:
-    """The XLA device to create tensors on: ``device`` if given, else the default one.
+# Devices whose tensors go to JAX through DLPack: torch's device type -> JAX's platform.
+# torch_xla pins JAX to its CPU backend on PJRT_DEVICE=CPU (see above), so other platforms
+# (a CUDA jaxlib's "gpu") would need JAX set up for them; only the CPU is tested.
+_JAX_PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
+
+
+_jax_platform_found: dict[str, bool] = {}
+
+
+@torch.compiler.assume_constant_result  # fixed for a process; dynamo cannot trace into JAX
+def _jax_has_platform(platform: str) -> bool:
+    if platform not in _jax_platform_found:
+        import jax
+
+        try:
+            _jax_platform_found[platform] = bool(jax.devices(platform))
+        except RuntimeError:
+            _jax_platform_found[platform] = False
+    return _jax_platform_found[platform]
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether torch_pallas's ops run on tensors of ``device``: an XLA device, or a device
+    JAX has a backend for (the CPU)."""
+    if device.type == "xla":
+        return True
+    platform = _JAX_PLATFORMS.get(device.type)
+    return platform is not None and _jax_has_platform(platform)
+
+
+def device_or_default(device=None) -> torch.device:
+    """The device to create tensors on: ``device`` if given (checked by :func:`runs_on`),
+    else the default XLA device.
 
     Raises:
-        ValueError: ``device`` is not an XLA device.
+        ValueError: torch_pallas cannot run on ``device``.
     """
     if device is None:
         return _default_xla_device()
     device = torch.device(device)
-    if device.type != "xla":
-        raise ValueError(f"device must be an XLA device (torch_xla.device()), got {device}")
+    if not runs_on(device):
+        raise ValueError(f"device must be an XLA device (torch_xla.device()) or the CPU, got {device}")
     return device
 
 
-def check_on_xla(tensor: torch.Tensor, name: str) -> None:
-    """Raises ValueError unless ``tensor`` lives on an XLA device, naming the fix."""
-    if tensor.device.type != "xla":
+def check_device(tensor: torch.Tensor, name: str) -> None:
+    """Raises ValueError unless torch_pallas runs on ``tensor``'s device (:func:`runs_on`),
+    naming the fix."""
+    if not runs_on(tensor.device):
         raise ValueError(
-            f"{name} is on {tensor.device}, but torch_pallas ops run on XLA devices: "
+            f"{name} is on {tensor.device}, but torch_pallas ops run on XLA devices and the CPU: "
             f"move it with {name}.to(torch_xla.device())")
 
 
 def call(jax_function, *tensors: torch.Tensor, **static):
-    """Applies ``jax_function(*tensors, interpret=..., **static)`` inside the lazy XLA graph.
+    """Applies ``jax_function(*tensors, interpret=..., **static)`` on the tensors' device.
 
-    ``jax_function`` must be defined at module level: call_jax caches its traced graph by
-    the function's id, the tensors' shapes and dtypes, and the ``static`` values (each new
-    static value traces and compiles anew, so pass only configuration there).
+    XLA tensors: inside the lazy XLA graph, through ``call_jax``. Other tensors (all on one
+    device that :func:`runs_on` accepts): through DLPack to JAX on the same device, where
+    the function runs jitted in interpret mode, and back. ``jax_function`` must be defined at
+    module level: both paths cache its traced graph by the function, the tensors' shapes and
+    dtypes, and the ``static`` values (each new static value traces and compiles anew, so
+    pass only hashable configuration there).
     """
+    if tensors[0].device.type != "xla":
+        return _call_through_dlpack(jax_function, tensors, static)
     return xb.call_jax(jax_function, tensors, dict(static, interpret=interpret_mode()))
+
+
+@functools.cache
+def _jitted(jax_function, static: tuple):
+    import jax
+
+    # Interpret mode: Mosaic kernels run only on TPUs, and these kernels use TPU memory
+    # spaces that Pallas's GPU lowering does not have.
+    return jax.jit(functools.partial(jax_function, **dict(static), interpret=True))
+
+
+# torch's CPU allocator aligns every buffer to 64 bytes, as jaxlib wants a buffer it shares.
+_DLPACK_ALIGNMENT = 64
+
+
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a buffer JAX can share: detached (DLPack exports no tensor that requires
+    grad; autograd is above this layer), contiguous, and aligned (a view at an offset, such
+    as one sample's key under vmap, is copied here rather than by jaxlib, which logs it)."""
+    tensor = tensor.detach().contiguous()
+    return tensor.clone() if tensor.data_ptr() % _DLPACK_ALIGNMENT else tensor
+
+
+def _call_through_dlpack(jax_function, tensors, static):
+    import jax
+
+    arrays = [jax.dlpack.from_dlpack(_shareable(tensor)) for tensor in tensors]
+    outputs = _jitted(jax_function, tuple(sorted(static.items())))(*arrays)
+    return jax.tree.map(torch.from_dlpack, outputs)

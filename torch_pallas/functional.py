@@ -27,10 +27,12 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
     the kernels' block sizes.
 
     Args:
-        x (Tensor): float32, bfloat16 or float16, any shape, on an XLA device (any tensor
-            when nothing is dropped: ``training=False`` or ``p == 0``).
+        x (Tensor): float32, bfloat16, float16 or float64, any shape, on an XLA device or
+            the CPU (any tensor when nothing is dropped: ``training=False`` or ``p == 0``).
+            float64: the mask is the one float32 gets from the same key (the kernel draws
+            it; Mosaic has no float64), applied in float64 outside the kernel.
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. ``p == 0``
-            returns ``x``; ``p == 1`` returns zeros (with zero gradient).
+            returns ``x``; ``p == 1`` returns ``x * 0`` (zeros, with zero gradient).
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``, for
             any device and dtype (the other arguments are checked either way).
         inplace (bool): write the result into ``x`` and return ``x``, as
@@ -38,8 +40,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             mask). Default: ``False``.
         seed (int, optional): in :math:`[0, 2^{64})`; the same seed gives the same mask.
         generator (torch.Generator, optional): a CPU generator to draw the key from.
-            Without ``seed`` or ``generator`` a fresh key is drawn from the XLA device's RNG
-            (seeded by ``torch_xla.manual_seed``) on every call.
+            Without ``seed`` or ``generator`` a fresh key is drawn on every call from the
+            RNG of ``x``'s device: the XLA RNG (seeded by ``torch_xla.manual_seed``), or
+            torch's default generator for a CPU ``x`` (seeded by ``torch.manual_seed``).
         impl (str, optional): ``"threefry"`` (default) or ``"hardware"`` (TPU only, opt-in:
             see :func:`torch_pallas.bridge.default_noise_impl`).
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
@@ -55,6 +58,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
     A sharded ``x`` is processed shard by shard on its devices, forward and backward, and the
     output and gradient keep its sharding; the mask is the unsharded one.
 
+    As torch's dropout computes ``x * mask``, a dropped NaN or infinity gives NaN (forward,
+    and in the gradient), not 0. A CPU ``x`` runs the same kernels through JAX on the CPU
+    (interpret mode), with the same mask as on an XLA device for the same key.
+
     Returns:
         Tensor: same shape and dtype as ``x`` (a new tensor unless ``x`` is returned as is
         or ``inplace``).
@@ -64,7 +71,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             ``p``, ``seed`` or ``generator`` has the wrong type.
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, a seed outside :math:`[0, 2^{64})`,
             both ``seed`` and ``generator``, an unknown ``impl``, ``impl="hardware"`` off
-            TPU, ``x`` not on an XLA device, 2**32 or more elements,
+            TPU, ``x`` neither on an XLA device nor on the CPU, 2**32 or more elements,
             ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
             sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
             with ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
@@ -119,11 +126,11 @@ def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input
     if not training or p == 0.0:
         seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
         return x  # the identity, as torch's, for any device and dtype
-    _checks.check_float_tensor(x, "x")
+    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
     _checks.check_numel(x.shape, "x")
     if p == 1.0:
         seeds.check_source(seed, generator)
-        output = x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0.0)
+        output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
     else:
         output = masked(seeds.key_data(seed=seed, generator=generator, device=x.device), p, impl)
     return x.copy_(output) if inplace else output
@@ -170,8 +177,8 @@ _FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probabi
     autograd graph keeps it (one element per channel) rather than the key.{extra}
 
     Args:
-        x (Tensor): float32, bfloat16 or float16 on an XLA device (any tensor when nothing is
-            dropped: ``training=False`` or ``p == 0``).
+        x (Tensor): float32, bfloat16, float16 or float64 on an XLA device or the CPU (any
+            tensor when nothing is dropped: ``training=False`` or ``p == 0``).
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``.
         inplace (bool): write the result into ``x`` and return ``x``. Default: ``False``.
@@ -224,7 +231,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
 
     Args:
         x (Tensor): ``(T, B, F)``, or ``(B, T, F)`` with ``batch_first``; float32, bfloat16
-            or float16, on an XLA device.
+            or float16, on an XLA device or the CPU (the same kernels, through JAX).
         weight (Tensor): ``(F,)`` recurrent weights, a float dtype.
         h0 (Tensor, optional): ``(B, F)`` initial state; zeros if ``None``.
         nonlinearity (str): ``"relu"`` (default) or ``"tanh"``.
@@ -250,7 +257,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     Raises:
         TypeError: a non-tensor or a non-float tensor (integer dtypes included).
         ValueError: ``x`` not 3-D, ``weight`` not ``(F,)``, ``h0`` not ``(B, F)``, an
-            unknown ``nonlinearity``, a tensor not on an XLA device, ``lengths`` not
+            unknown ``nonlinearity``, a tensor neither on an XLA device nor on the CPU, ``lengths`` not
             ``(B,)`` integers in :math:`[0, T]`, or an SPMD-sharded ``x`` split along time
             or into uneven shards.
 

@@ -9,7 +9,8 @@ slower than threefry on TPU (``bench/results/tpu_cost.md``).
 
 Seeds: ``seed=`` gives the same tensor every call; ``generator=`` (a CPU ``torch.Generator``)
 draws a key from it; with neither, a key is drawn on the device from the XLA RNG, which
-``torch_xla.manual_seed`` seeds (``torch.manual_seed`` does not reach XLA devices).
+``torch_xla.manual_seed`` seeds (``torch.manual_seed`` does not reach XLA devices), or, for
+``device="cpu"``, from torch's default generator.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         shape (int or sequence of ints): the output's shape.
         seed (int, optional): a seed in :math:`[0, 2^{64})`; the same seed gives the same tensor.
         generator (torch.Generator, optional): a CPU generator to draw the key from.
-        device (torch.device, optional): the XLA device; default ``torch_xla.device()``.
+        device (torch.device, optional): an XLA device or the CPU (where the same kernels
+            run through JAX and give the same numbers); default ``torch_xla.device()``.
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
         impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
             ``"hardware"`` (TPU only); default ``"threefry"``.
@@ -49,12 +51,13 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             neither.
 
     Returns:
-        Tensor: on the XLA device, of ``shape`` and ``dtype``.
+        Tensor: on ``device``, of ``shape`` and ``dtype``.
 
     Raises:
         TypeError: a non-integer size or seed, a non-float ``dtype``.
         ValueError: a negative size, a seed outside :math:`[0, 2^{64})`, both ``seed`` and
-            ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a non-XLA ``device``,
+            ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a ``device``
+            that is neither an XLA device nor the CPU,
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
             take (uneven shards, more than two split dims besides the first, with

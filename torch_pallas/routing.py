@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torch_pallas import _checks
+from torch_pallas import _checks, bridge
 from torch_pallas import functional
 
 __all__ = ["route_dropout"]
@@ -28,14 +28,16 @@ _SDPA_WARNING = ("torch_pallas.route_dropout: scaled_dot_product_attention's dro
 
 class route_dropout(TorchFunctionMode):
     r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
-    ``torch.nn.Dropout`` module) on XLA float tensors run as :func:`torch_pallas.dropout`,
-    and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as their torch_pallas counterparts.
+    ``torch.nn.Dropout`` module) on float tensors on an XLA device or the CPU run as
+    :func:`torch_pallas.dropout`, and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as
+    their torch_pallas counterparts.
 
     A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
     ``torch.compile(backend="openxla")`` (dynamo traces the mode), entered around the
-    compiled call or inside the compiled function. Calls on other devices or dtypes go to
-    torch unchanged. Keys come from the XLA RNG (or the enclosing
-    :func:`torch_pallas.seeds.key_scope`, as inside :func:`torch_pallas.checkpoint`).
+    compiled call or inside the compiled function. Calls on other devices, or on tensors
+    that are not floating point, go to torch unchanged. Keys come from the RNG of the
+    input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
+    :func:`torch_pallas.checkpoint`).
     Dropout inside ``F.scaled_dot_product_attention(..., dropout_p > 0)`` cannot be
     routed: a warning says so (once per call site).
 
@@ -64,7 +66,7 @@ class route_dropout(TorchFunctionMode):
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()
             input, p, training = call.args[:3]
-            if input.device.type == "xla" and input.is_floating_point():
+            if input.is_floating_point() and bridge.runs_on(input.device):
                 return ours(input, p, training, call.arguments.get("inplace", False), impl=self.impl)
         elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
             # No state kept here, so that dynamo has nothing to guard on and recompile for.

@@ -99,14 +99,15 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
     Flax folds module paths into keys). Scopes nest; the innermost one counts.
 
     Args:
-        key_data (Tensor): int32 of shape (2,) on an XLA device, as :func:`key_data` returns.
+        key_data (Tensor): int32 of shape (2,) on an XLA device or the CPU, as
+            :func:`key_data` returns.
 
     Raises:
-        TypeError, ValueError: ``key_data`` is not an int32 (2,) XLA tensor.
+        TypeError, ValueError: ``key_data`` is not an int32 (2,) tensor on such a device.
     """
     if not isinstance(key_data, torch.Tensor) or key_data.dtype != torch.int32 or key_data.shape != (2,):
         raise TypeError(f"key_data must be an int32 tensor of shape (2,), got {key_data!r:.80}")
-    bridge.check_on_xla(key_data, "key_data")
+    bridge.check_device(key_data, "key_data")
     _key_scopes.append(_KeyScope(key_data))
     try:
         yield
@@ -115,20 +116,23 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
 
 
 def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
-    """Key data (int32, shape (2,), on the XLA ``device``) for one random op.
+    """Key data (int32, shape (2,), on ``device``) for one random op.
 
     * ``seed``: an int in [0, 2**64); the same seed always gives the same key.
     * ``generator``: a CPU ``torch.Generator``; two 32-bit words are drawn from it.
     * neither: inside a :func:`key_scope`, the scope's next derived key (moved to
-      ``device``); otherwise two words drawn on the XLA device from its RNG (which
-      ``torch_xla.manual_seed`` seeds), with no host sync and no new graph per call.
+      ``device``); otherwise two words drawn on ``device`` from its RNG: on an XLA device
+      the XLA RNG (which ``torch_xla.manual_seed`` seeds), with no host sync and no new
+      graph per call; on the CPU torch's default generator (``torch.manual_seed``).
+
+    ``device``: an XLA device or the CPU; default ``torch_xla.device()``.
 
     Raises:
-        ValueError: both ``seed`` and ``generator`` given, a seed out of range, or a
-            generator not on the CPU.
+        ValueError: both ``seed`` and ``generator`` given, a seed out of range, a
+            generator not on the CPU, or a device torch_pallas does not run on.
         TypeError: a non-integer seed or a non-Generator ``generator``.
     """
-    device = bridge.xla_device(device)
+    device = bridge.device_or_default(device)
     check_source(seed, generator)
     if seed is not None:
         return key_data_from_seed(seed, device)

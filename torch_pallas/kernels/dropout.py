@@ -1,6 +1,6 @@
 """Dropout whose mask is regenerated from the key, never stored.
 
-``keep = bernoulli(key, 1 - p, x.shape)`` and ``y = where(keep, x / (1 - p), 0)``. The
+``keep = bernoulli(key, 1 - p, x.shape)`` and ``y = where(keep, x / (1 - p), x * 0)``. The
 backward pass is the same map applied to the incoming gradient with the same key, so one
 kernel serves both; each call picks its own blocks, and the mask does not depend on them.
 """
@@ -20,14 +20,16 @@ def _apply_mask(bits, values, *, keep_probability):
     keep = prng.bernoulli_from_bits(bits, keep_probability)
     # Scaling in float32 (then rounding once) keeps 16-bit inputs off the 16-bit VPU paths
     # that older TPUs lack.
-    scaled = values.astype(jnp.float32) / keep_probability
-    return jnp.where(keep, scaled, 0.0).astype(values.dtype)
+    wide = values.astype(jnp.float32)
+    # x * 0, not 0: a dropped NaN or infinity gives NaN, as torch's dropout (x * mask)
+    # gives, so a diverging run still shows its NaNs.
+    return jnp.where(keep, wide / keep_probability, wide * 0.0).astype(values.dtype)
 
 
 def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
             blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False,
             global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
-    """``where(bernoulli(key, 1 - p, x.shape), x / (1 - p), 0)`` in one Pallas kernel.
+    """``where(bernoulli(key, 1 - p, x.shape), x / (1 - p), x * 0)`` in one Pallas kernel.
 
     The forward pass calls it on the activation, the backward pass on the gradient with the
     same ``key_data``: both see the same mask whatever their blocks.

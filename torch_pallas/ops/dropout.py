@@ -20,16 +20,22 @@ from torch_pallas.kernels.tiling import ElementwiseBlocks
 def dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
             blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
             sharding: Optional[str] = None) -> torch.Tensor:
-    """``where(bernoulli(key, 1 - p), x / (1 - p), 0)``; arguments pre-checked.
+    """``where(bernoulli(key, 1 - p), x / (1 - p), x * 0)``; arguments pre-checked.
 
     ``shared_over_first_dim`` draws one mask of shape ``x.shape[1:]`` for every index of
     the first dim. ``blocks`` / ``backward_blocks`` ((rows, cols) of the kernel's 2-D view,
     or ``None`` for the default) are chosen independently; the mask depends on neither.
     ``sharding`` (torch_xla's text for x's SPMD sharding): the kernel runs on each device's
     shard, which gets its part of the unsharded mask (:mod:`torch_pallas.sharding`).
+    A float64 ``x`` gets the float32 kernel's mask, applied in float64 outside the kernel.
     """
     if x.numel() == 0:
         return torch.empty_like(x)
+    if x.dtype == torch.float64:
+        # Mosaic has no float64: the kernel draws the mask a float32 tensor gets from this key.
+        keep = dropout(torch.ones(x.shape, device=x.device), key_data, p, impl, shared_over_first_dim, blocks,
+                       backward_blocks, sharding) != 0
+        return torch.where(keep, x / (1 - p), x * 0)
     options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
                    shared_over_first_dim=shared_over_first_dim)
     if sharding is not None:
