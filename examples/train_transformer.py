@@ -3,9 +3,10 @@ decoder layers checkpointed, under ``torch.compile(backend="openxla")``.
 
 OPT writes its dropouts as ``F.dropout`` calls (no ``nn.Dropout`` module), which
 ``torch_pallas.route_dropout()`` reaches; its attention runs the eager ("math") path so
-that the attention dropout is one of them. ``torch_pallas.checkpoint`` is given to the
-model as its gradient-checkpointing function, so each layer's recomputation in the
-backward pass draws the forward's masks. The model is built from a small config (no
+that the attention dropout is one of them. ``torch_pallas.checkpoint.enable(model)`` turns
+on gradient checkpointing with ``torch_pallas.checkpoint`` as the model's checkpoint
+function (transformers' ``model.gradient_checkpointing_enable()`` fails on XLA), so each
+layer's recomputation in the backward pass draws the forward's masks. The model is built from a small config (no
 weights to download) and learns to continue counting sequences (each token the previous
 one plus one, modulo the vocabulary).
 
@@ -32,8 +33,7 @@ def make_model() -> transformers.OPTForCausalLM:
         max_position_embeddings=SEQUENCE + 2, word_embed_proj_dim=64, dropout=0.1, attention_dropout=0.1,
         activation_dropout=0.1, attn_implementation="eager")
     model = transformers.OPTForCausalLM(config)
-    model._set_gradient_checkpointing(True, gradient_checkpointing_func=torch_pallas.checkpoint)
-    return model
+    return torch_pallas.checkpoint.enable(model)  # model.gradient_checkpointing_enable(), for XLA
 
 
 def batches(generator: torch.Generator):

@@ -269,6 +269,70 @@ def test_indrnn_module_rejects_bad_input():
         module([torch.zeros(3, 4)])
 
 
+def torch_rnn_error(*arguments):
+    """The exception type torch.nn.RNN(4, 8) raises on the CPU for these arguments."""
+    try:
+        torch.nn.RNN(4, 8)(*arguments)
+    except Exception as error:  # noqa: BLE001  (whatever torch raises is the reference)
+        return type(error)
+    raise AssertionError(f"torch.nn.RNN accepted {[tuple(a.shape) for a in arguments]}")
+
+
+@pytest.mark.parametrize("options", [dict(num_layers=2, bidirectional=True), dict(bias=False)],
+                         ids=["two bidirectional layers", "no bias"])
+def test_indrnn_all_weights_and_flatten_parameters_as_nn_rnn(options):
+    module = IndRNN(4, 8, **options)
+    theirs = torch.nn.RNN(4, 8, **options)
+    # nn.RNN's order, without the bias_hh IndRNN does not have
+    assert module._all_weights == [[name for name in names if not name.startswith("bias_hh")]
+                                   for names in theirs._all_weights]
+    flat = sum(module.all_weights, [])
+    assert sorted(map(id, flat)) == sorted(map(id, module.parameters()))  # the parameters themselves, each once
+    assert module.all_weights[0][0] is module.weight_ih_l0 and module.all_weights[0][1] is module.weight_hh_l0
+    assert [tuple(p.shape) for p in module.all_weights[0]] == [(8, 4), (8,)] + ([(8,)] if module.bias else [])
+    before = [p.detach().clone() for p in module.parameters()]
+    assert module.flatten_parameters() is None
+    assert all(torch.equal(p, q) for p, q in zip(before, module.parameters()))
+
+
+@pytest.mark.parametrize("input_dtype,hx_dtype", [
+    (torch.bfloat16, None), (torch.long, None), (torch.float64, None), (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float64),
+])
+def test_indrnn_rejects_dtypes_other_than_the_parameters_as_nn_rnn(input_dtype, hx_dtype):
+    x = torch.ones(5, 2, 4, dtype=input_dtype)
+    hx = None if hx_dtype is None else torch.zeros(1, 2, 8, dtype=hx_dtype)
+    expected = torch_rnn_error(*[t for t in (x, hx) if t is not None])  # ValueError for input, RuntimeError hx
+    name, dtype = ("input", input_dtype) if hx is None else ("hx", hx_dtype)
+    with pytest.raises(expected, match=f"{name} must have the type torch.float32, got type {dtype}") as error:
+        IndRNN(4, 8).to(torch_xla.device())(xla(x), None if hx is None else xla(hx))
+    assert isinstance(error.value, ValueError)
+
+
+def test_indrnn_under_autocast_accepts_other_float_dtypes_but_not_token_ids():
+    module = IndRNN(4, 8).to(torch_xla.device())
+    with torch.autocast("xla", dtype=torch.bfloat16):  # nn.RNN skips its dtype check under autocast too
+        output, h_n = module(xla(torch.ones(5, 2, 4, dtype=torch.bfloat16)), xla(torch.zeros(1, 2, 8)))
+        assert output.shape == (5, 2, 8) and output.dtype == h_n.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="got type torch.int64 .token ids"):
+            module(xla(torch.ones(5, 2, 4, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_indrnn_rejects_an_empty_sequence_and_accepts_an_empty_batch_as_nn_rnn(batch_first):
+    module = IndRNN(4, 8, batch_first=batch_first).to(torch_xla.device())
+    empty_sequences = [torch.zeros(2, 0, 4) if batch_first else torch.zeros(0, 2, 4), torch.zeros(0, 4)]
+    for x in empty_sequences:
+        expected = torch_rnn_error(x.transpose(0, 1) if batch_first and x.dim() == 3 else x)
+        with pytest.raises(expected, match="at least one time step") as error:
+            module(xla(x))
+        assert expected is RuntimeError and isinstance(error.value, ValueError)
+    no_batch = torch.zeros(0, 5, 4) if batch_first else torch.zeros(5, 0, 4)
+    output, h_n = module(xla(no_batch))
+    theirs, their_h_n = torch.nn.RNN(4, 8, batch_first=batch_first)(no_batch)
+    assert output.shape == theirs.shape and h_n.shape == their_h_n.shape
+
+
 @pytest.mark.parametrize("options", [dict(), dict(num_layers=2, bidirectional=True, nonlinearity="tanh")],
                          ids=["one layer", "two bidirectional layers"])
 def test_indrnn_module_on_a_packed_batch_equals_each_sequence_run_alone(options):

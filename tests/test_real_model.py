@@ -1,6 +1,7 @@
 """A Hugging Face OPT model (small config, no weights) with every dropout routed to
 torch_pallas and its layers checkpointed by torch_pallas.checkpoint: the example's run."""
 
+import collections
 import sys
 from pathlib import Path
 
@@ -57,9 +58,10 @@ def test_compiled_training_with_checkpointing_learns_and_compiles_nothing_after_
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def gpt2_on_sdpa():
+def gpt2_on_sdpa(attn_implementation="sdpa"):
     config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.1,
-                                     resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False)
+                                     resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False,
+                                     attn_implementation=attn_implementation)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -68,6 +70,59 @@ def llama_on_sdpa():
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                                       attention_dropout=0.1, use_cache=False)
     return transformers.LlamaForCausalLM(config)
+
+
+def test_checkpoint_enable_recomputes_every_layer_with_its_forward_keys_and_trains(monkeypatch):
+    torch.manual_seed(0)
+    model = gpt2_on_sdpa("eager").to(torch_xla.device()).train()  # eager: the attention dropout is routed too
+    assert torch_pallas.checkpoint.enable(model) is model and model.is_gradient_checkpointing
+    ids = torch.randint(0, 128, (2, 16)).to(torch_xla.device())
+    keys = record_dropout_keys(monkeypatch)
+    layer_keys = []  # per GPT2Block: the keys its forward drew
+    hooks = [block.register_forward_pre_hook(lambda *_: layer_keys.append(len(keys))) for block in model.transformer.h]
+    with torch_pallas.route_dropout():
+        loss = model(input_ids=ids, labels=ids).loss
+    for hook in hooks:
+        hook.remove()
+    forward = list(keys)
+    layer_keys = [forward[start:end] for start, end in zip(layer_keys, layer_keys[1:] + [len(forward)])]
+    loss.backward()
+    recomputed = collections.Counter(keys[len(forward):]) - collections.Counter(forward)  # less the backward kernels
+    assert [len(drawn) for drawn in layer_keys] == [3, 3] and len(forward) == len(set(forward)) == 7
+    # every layer drew its forward's keys again, and nothing else was recomputed (the embedding dropout)
+    assert sorted(recomputed.elements()) == sorted(sum(layer_keys, []))
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        with torch_pallas.route_dropout():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+
+    model.gradient_checkpointing_disable()  # transformers' own method works on XLA as is
+    del keys[:]
+    with torch_pallas.route_dropout():
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not model.is_gradient_checkpointing and len(keys) == 2 * len(forward)  # no recomputation
+
+
+def test_checkpoint_enable_rejects_models_without_checkpointing():
+    unsupported = transformers.CTRLLMHeadModel(transformers.CTRLConfig(vocab_size=16, n_embd=8, n_layer=1, n_head=2,
+                                                                        dff=16, n_positions=8))
+    with pytest.raises(ValueError, match="does not support gradient checkpointing") as error:
+        torch_pallas.checkpoint.enable(unsupported)
+    with pytest.raises(type(error.value)):  # as transformers' own method
+        unsupported.gradient_checkpointing_enable()
+    with pytest.raises(TypeError, match="a Hugging Face transformers model"):
+        torch_pallas.checkpoint.enable(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        torch_pallas.checkpoint.enable(gpt2_on_sdpa(), use_reentrant=False)
+    with pytest.raises(TypeError):
+        torch_pallas.checkpoint.enable(gpt2_on_sdpa(), gradient_checkpointing_kwargs={})
 
 
 @pytest.mark.parametrize("make_model", [gpt2_on_sdpa, llama_on_sdpa])

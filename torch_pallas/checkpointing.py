@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
@@ -11,7 +13,7 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 from torch_pallas import seeds
 from torch_pallas.routing import route_dropout
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "enable"]
 
 
 def _device_of(args) -> torch.device | None:
@@ -21,6 +23,12 @@ def _device_of(args) -> torch.device | None:
 def _active_routing() -> route_dropout | None:
     modes = [mode for mode in _get_current_function_mode_stack() if isinstance(mode, route_dropout)]
     return modes[-1] if modes else None
+
+
+def _check_use_reentrant(use_reentrant) -> None:
+    if use_reentrant is False:
+        raise ValueError("use_reentrant=False is not available on XLA (torch_xla 2.9 checkpoints "
+                         "reentrantly only): pass use_reentrant=True or leave it out")
 
 
 # Dynamo would compile this frame and guard on ``function``'s identity: Hugging Face passes
@@ -34,8 +42,8 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
     ``torch.compile(backend="openxla")``.
 
     Takes :func:`torch.utils.checkpoint.checkpoint`'s arguments, so it can be given to
-    Hugging Face models (``model._set_gradient_checkpointing(True,
-    gradient_checkpointing_func=torch_pallas.checkpoint)``). One key is drawn from the XLA
+    Hugging Face models: ``torch_pallas.checkpoint.enable(model)`` (:func:`enable`) is
+    their ``model.gradient_checkpointing_enable()`` with this function. One key is drawn from the XLA
     RNG (or the enclosing :func:`torch_pallas.seeds.key_scope`) before the region runs,
     and the region runs in a :func:`~torch_pallas.seeds.key_scope` of it (and in the
     caller's :func:`torch_pallas.route_dropout`, re-entered for the recomputation): its ``i``-th
@@ -66,9 +74,7 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
     """
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
-    if use_reentrant is False:
-        raise ValueError("use_reentrant=False is not available on XLA (torch_xla 2.9 checkpoints "
-                         "reentrantly only): pass use_reentrant=True or leave it out")
+    _check_use_reentrant(use_reentrant)
     key_data = seeds.key_data(device=_device_of(args))
     routing = _active_routing()
 
@@ -80,3 +86,66 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
             return function(*args, **kwargs)
 
     return xla_checkpoint.checkpoint(region, key_data, *args, preserve_rng_state=preserve_rng_state)
+
+
+def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
+           preserve_rng_state: bool = True) -> torch.nn.Module:
+    r"""Turns on gradient checkpointing in a Hugging Face transformers model, with
+    :func:`checkpoint` as its checkpoint function: ``model.gradient_checkpointing_enable()``
+    for XLA devices, where that method fails (``torch.utils.checkpoint`` has no XLA
+    support: ``module 'torch' has no attribute 'xla'``). Also reached as
+    ``torch_pallas.checkpoint.enable(model)``.
+
+    It does what ``PreTrainedModel.gradient_checkpointing_enable`` does in transformers
+    4.57: every submodule with a ``gradient_checkpointing`` attribute (each decoder layer,
+    say) checkpoints through :func:`checkpoint` when the model is in training mode, so each
+    recomputation draws its forward's dropout masks; a model with a PEFT adapter loaded
+    gets ``enable_input_require_grads()``, so that gradients reach the adapters through
+    frozen layers. ``model.gradient_checkpointing_disable()`` turns it off again as is.
+
+    Args:
+        model (transformers.PreTrainedModel): changed in place.
+        use_reentrant (bool, optional), preserve_rng_state (bool): passed to every
+            :func:`checkpoint` call (``gradient_checkpointing_kwargs`` of the transformers
+            method). Default: ``None``, ``True``.
+
+    Returns:
+        nn.Module: ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a transformers model (it has no
+            ``_set_gradient_checkpointing``); for other modules, call :func:`checkpoint`
+            in their ``forward``.
+        ValueError: the model class does not support gradient checkpointing
+            (``supports_gradient_checkpointing`` is ``False``), uses transformers' format
+            from before 4.35 (which takes no checkpoint function), or
+            ``use_reentrant=False``.
+
+    Example::
+
+        >>> model = transformers.AutoModelForCausalLM.from_config(config).to(torch_xla.device())
+        >>> torch_pallas.checkpoint.enable(model)
+    """
+    setter = getattr(model, "_set_gradient_checkpointing", None)
+    if not isinstance(model, torch.nn.Module) or not callable(setter) or not hasattr(
+            model, "supports_gradient_checkpointing"):
+        raise TypeError(f"model must be a Hugging Face transformers model (a PreTrainedModel), got "
+                        f"{type(model).__name__}; in other modules call torch_pallas.checkpoint(function, *args) "
+                        "in forward")
+    if not model.supports_gradient_checkpointing:
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing "
+                         "(its supports_gradient_checkpointing is False)")
+    if "value" in inspect.signature(setter).parameters:
+        # transformers falls back to model.apply(partial(setter, value=True)) there, which
+        # keeps the model's own torch.utils.checkpoint, the function that fails on XLA
+        raise ValueError(f"{type(model).__name__} overrides _set_gradient_checkpointing(module, value), the format "
+                         "of transformers < 4.35, which takes no checkpoint function: update its modeling code")
+    _check_use_reentrant(use_reentrant)
+    setter(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
+    if getattr(model, "_hf_peft_config_loaded", False):
+        model.enable_input_require_grads()
+    return model
+
+
+checkpoint.enable = enable

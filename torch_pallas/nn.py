@@ -189,6 +189,12 @@ def _replacement(module: torch.nn.Module, impl, sharded: dict) -> torch.nn.Modul
     return replacement
 
 
+class _RNNInputError(ValueError, RuntimeError):
+    """Bad input to :meth:`IndRNN.forward` where :class:`torch.nn.RNN` raises RuntimeError:
+    a ValueError like every other argument error of torch_pallas, which code written for
+    nn.RNN (``except RuntimeError``) still catches."""
+
+
 def _check_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -255,9 +261,17 @@ class IndRNN(torch.nn.Module):
 
     Raises:
         ValueError: bad sizes, ``nonlinearity``, ``dropout`` or ``recurrent_max_abs`` at
-            construction; input or ``hx`` of the wrong rank or size, or on another device
-            than the parameters, in :meth:`forward`.
+            construction; in :meth:`forward`, as :class:`torch.nn.RNN`: an input or ``hx``
+            whose dtype is not the parameters' (unless autocast is on; integer inputs such
+            as token ids always), an input with no time step, input or ``hx`` of the wrong
+            rank or size, or on another device than the parameters. Where nn.RNN raises
+            RuntimeError instead (no time step, the ``hx`` dtype, sizes), the error is also
+            a RuntimeError.
         TypeError: an input that is neither a tensor nor a ``PackedSequence``.
+
+    Unlike :class:`torch.nn.RNN`: ``nonlinearity`` defaults to ``"relu"``, ``weight_hh`` is a
+    vector, and there is no ``bias_hh`` (it would add to ``bias_ih``). :attr:`all_weights` and
+    :meth:`flatten_parameters` are there for code written for nn.RNN.
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "relu",
@@ -300,6 +314,25 @@ class IndRNN(torch.nn.Module):
     @property
     def num_directions(self) -> int:
         return 2 if self.bidirectional else 1
+
+    @property
+    def _all_weights(self) -> list[list[str]]:
+        # nn.RNN's attribute of the same name, which code written for nn.RNN reads; derived
+        # rather than stored so that modules pickled before it existed still have it.
+        names = ["weight_ih", "weight_hh"] + (["bias_ih"] if self.bias else [])
+        return [[f"{name}{suffix}" for name in names]
+                for layer in range(self.num_layers) for suffix in self._suffixes(layer)]
+
+    @property
+    def all_weights(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters of every layer and direction, as :attr:`torch.nn.RNN.all_weights`
+        lists them: ``[weight_ih, weight_hh, bias_ih]`` per layer (and its ``_reverse``
+        direction after it), without ``bias_ih`` when ``bias=False``."""
+        return [[getattr(self, name) for name in names] for names in self._all_weights]
+
+    def flatten_parameters(self) -> None:
+        """Does nothing: the parameters need no flat buffer (nn.RNN packs its own for cuDNN).
+        Kept so that code written for :class:`torch.nn.RNN` runs."""
 
     def _suffixes(self, layer: int) -> list[str]:
         return [f"_l{layer}"] + ([f"_l{layer}_reverse"] if self.bidirectional else [])
@@ -352,11 +385,16 @@ class IndRNN(torch.nn.Module):
             if isinstance(tensor, torch.Tensor) and tensor.device != parameter_device:
                 raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on "
                                  f"{parameter_device}: move both to the same XLA device (module.to(device))")
+        self._check_dtypes(input, hx)
         batched = input.dim() == 3
         if input.dim() not in (2, 3):
             raise ValueError(f"input must be 2-D (unbatched) or 3-D, got shape {tuple(input.shape)}")
         if input.shape[-1] != self.input_size:
-            raise ValueError(f"input must have {self.input_size} features, got shape {tuple(input.shape)}")
+            raise _RNNInputError(f"input must have {self.input_size} features, got shape {tuple(input.shape)}")
+        if input.shape[0 if packed or not (batched and self.batch_first) else 1] == 0:
+            # as nn.RNN ("Expected sequence length to be larger than 0"); a batch of 0 it accepts
+            raise _RNNInputError(f"input must have at least one time step, got shape {tuple(input.shape)}"
+                                 f"{' (batch_first)' if batched and self.batch_first else ''}")
         sequence = input if batched else input.unsqueeze(1)
         if batched and self.batch_first and not packed:
             sequence = sequence.transpose(0, 1)
@@ -365,7 +403,7 @@ class IndRNN(torch.nn.Module):
         if hx is not None:
             expected = (states, batch, self.hidden_size) if batched else (states, self.hidden_size)
             if not isinstance(hx, torch.Tensor) or hx.shape != expected:
-                raise ValueError(f"hx must have shape {expected}, got "
+                raise _RNNInputError(f"hx must have shape {expected}, got "
                                  f"{tuple(hx.shape) if isinstance(hx, torch.Tensor) else type(hx).__name__}")
             if not batched:
                 hx = hx.unsqueeze(1)
@@ -401,6 +439,18 @@ class IndRNN(torch.nn.Module):
         if not batched:
             return sequence.squeeze(1), h_n.squeeze(1)
         return (sequence.transpose(0, 1) if self.batch_first else sequence), h_n
+
+    def _check_dtypes(self, input: torch.Tensor, hx) -> None:
+        """As nn.RNN: the input's dtype must be the parameters' unless autocast is on (which
+        casts the projection); hx's too (nn.RNN fails on it in a matmul, with RuntimeError).
+        Integer inputs (token ids: embed them first) never pass, autocast or not."""
+        expected = self.weight_ih_l0.dtype
+        autocast = torch._C._is_any_autocast_enabled()
+        if not input.is_floating_point() or (input.dtype != expected and not autocast):
+            raise _RNNInputError(f"input must have the type {expected}, got type {input.dtype}"
+                                 + (" (token ids? embed them first)" if not input.is_floating_point() else ""))
+        if isinstance(hx, torch.Tensor) and (not hx.is_floating_point() or (hx.dtype != expected and not autocast)):
+            raise _RNNInputError(f"hx must have the type {expected}, got type {hx.dtype}")
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"
