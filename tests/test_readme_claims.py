@@ -31,14 +31,23 @@ def _dropout(x):
     return torch_pallas.dropout(x, 0.5)
 
 
-def test_noise_contract_compiled_noise_after_manual_seed():
-    """README, The noise contract (and Limits and behaviours to know): after warm-up and
-    torch_xla.manual_seed, the same compiled calls draw the same masks, a fresh one per call;
-    only the first call's mask is eager mode's, later keys differ from eager mode's."""
+def _torch_dropout(x):
+    return torch.nn.functional.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize("function", [_dropout, _torch_dropout], ids=["torch_pallas", "torch"])
+def test_noise_contract_compiled_noise_after_manual_seed(function):
+    """README, The noise contract (and Limits and behaviours to know): the call that compiles
+    draws other noise than eager mode; after warm-up and torch_xla.manual_seed, the same
+    compiled calls draw the same masks, a fresh one per call; only the first call's mask is
+    eager mode's, later keys differ from eager mode's; torch's own dropout behaves the same."""
     x = xla_ones()
-    compiled = torch.compile(_dropout, backend="openxla", fullgraph=True)
-    compiled(x).cpu()  # warm-up: the call that compiles draws once more while it traces
-    first, again, eager = masks(compiled, x, 5), masks(compiled, x, 5), masks(_dropout, x, 5)
+    compiled = torch.compile(function, backend="openxla", fullgraph=True)
+    torch_xla.manual_seed(5)
+    compiling_call = (compiled(x) != 0).cpu()  # draws once more while dynamo's bridge traces
+    torch_xla.manual_seed(5)
+    assert not torch.equal(compiling_call, (function(x) != 0).cpu())
+    first, again, eager = masks(compiled, x, 5), masks(compiled, x, 5), masks(function, x, 5)
     assert all(torch.equal(a, b) for a, b in zip(first, again)), "not repeatable after torch_xla.manual_seed"
     assert all(not torch.equal(a, b) for a, b in zip(first, first[1:])), "a mask repeated"
     # Measured: [True, False, False, False] (torch's own F.dropout gives the same pattern).
