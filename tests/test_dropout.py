@@ -27,6 +27,7 @@ def positive(shape, dtype=torch.float32):
 
 
 def test_mask_is_jax_bernoulli_and_gradient_uses_it():
+    """README, A short tour and The noise contract: the mask is jax.random.bernoulli; the backward regenerates it."""
     x = positive(SHAPE).requires_grad_()
     y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2])
     y.backward(xla(torch.ones(SHAPE)))
@@ -85,6 +86,7 @@ def test_mask_shared_over_first_dim_is_one_jax_mask_for_every_step():
 
 
 def test_non_contiguous_input_gets_the_mask_of_its_logical_layout():
+    """README, Limits and behaviours to know: non-contiguous inputs get the mask of their logical layout."""
     base = positive((300, 20))
     transposed = base.t()
     y = torch_pallas.dropout(transposed, p=0.3, seed=SEEDS[1])
@@ -110,6 +112,7 @@ def test_identity_and_zero_cases():
 
 
 def test_seed_sources():
+    """README, A short tour and The noise contract: explicit seed, CPU generator, torch_xla.manual_seed."""
     x = positive(SHAPE)
     assert torch.equal(torch_pallas.dropout(x, seed=3).cpu(), torch_pallas.dropout(x, seed=3).cpu())
     with_generator = [torch_pallas.dropout(x, generator=torch.Generator().manual_seed(9)).cpu() for _ in range(2)]

@@ -105,6 +105,7 @@ def test_lengths_match_float64_loop_per_sequence(nonlinearity):
 
 
 def test_new_lengths_reuse_the_compiled_kernels():
+    """README, Limits and behaviours to know: indrnn(padded, w, lengths=...) takes the lengths as data."""
     device = torch_xla.device()
     x, weight = torch.randn(9, 4, 128).to(device), torch.rand(128).to(device)
     torch_xla.sync()  # what earlier tests left pending is not part of the graphs counted below

@@ -81,6 +81,7 @@ def _noisy(x):
 
 
 def test_compiled_sampling_fresh_reproducible_no_recompile():
+    """README, Limits and behaviours to know: under torch.compile, reproducible after warm-up and manual_seed, fresh each step."""
     compiled = torch.compile(_noisy, backend="openxla", fullgraph=True)
     x = torch.zeros(SHAPE, device=torch_xla.device())
     compiled(x)  # warm-up: traces and compiles

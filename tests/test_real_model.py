@@ -53,6 +53,7 @@ def test_every_dropout_is_routed_and_recomputation_reuses_the_forward_keys(monke
 
 
 def test_compiled_training_with_checkpointing_learns_and_compiles_nothing_after_warm_up():
+    """README, A short tour (train_transformer.py): the loss falls by more than 0.5 in 8 steps, no XLA compile after the third."""
     losses, compiles = train_transformer.train(steps=8)
     assert compiles[2] == compiles[-1], compiles
     assert losses[-1] < losses[0] - 0.5, losses
