@@ -23,3 +23,6 @@ def test_readme_tour_runs():
     assert namespace["output"].shape == (100, 8, 512) and namespace["h_n"].shape == (4, 8, 256)
     assert namespace["packed_h_n"].shape == (4, 3, 256)
     assert namespace["b"].dtype == torch.bool and namespace["z"].dtype == torch.bfloat16
+    import torch_pallas
+
+    assert torch.equal(namespace["y_cpu"], torch_pallas.dropout(namespace["x"].detach(), 0.1, seed=7).cpu())

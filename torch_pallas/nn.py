@@ -40,9 +40,9 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr)
     on XLA devices: each call draws a fresh key from the XLA RNG (reproducible after
-    ``torch_xla.manual_seed``), and the backward pass regenerates the mask from that 8-byte
-    key instead of storing it. In ``eval()`` mode it returns its input, whatever its device
-    and dtype. See :func:`torch_pallas.dropout`.
+    ``torch_xla.manual_seed``; on the CPU, from torch's generator), and the backward pass
+    regenerates the mask from that 8-byte key instead of storing it. In ``eval()`` mode it
+    returns its input, whatever its device and dtype. See :func:`torch_pallas.dropout`.
 
     Args:
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
@@ -58,7 +58,7 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     Shape:
         - Input: any shape (with ``partition_spec``, of its rank); in training mode float32,
-          bfloat16 or float16 on an XLA device.
+          bfloat16, float16 or float64 on an XLA device or the CPU.
         - Output: the input's shape and dtype.
 
     Raises:
@@ -96,7 +96,8 @@ def _module_sharding(mesh, partition_spec, order=None):
 
 _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
     :math:`1/(1-p)`: a drop-in for :class:`torch.nn.{name}` (a subclass of it, with its
-    signature and repr) on XLA devices. Each call draws a fresh key from the XLA RNG; the
+    signature and repr) on XLA devices (and the CPU). Each call draws a fresh key from the
+    RNG of the input's device; the
     mask has one element per (sample, channel). In ``eval()`` mode it returns its input.
     See :func:`torch_pallas.functional.{function}`.
 
@@ -106,8 +107,8 @@ _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`
         impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
 
     Shape:
-        - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16 or
-          float16 on an XLA device.
+        - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16,
+          float16 or float64 on an XLA device or the CPU.
         - Output: the input's shape and dtype.
 
     Raises:
@@ -241,7 +242,7 @@ class IndRNN(torch.nn.Module):
     Inputs: ``input, hx``
         input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``,
             ``(T, input_size)`` unbatched, or a :class:`~torch.nn.utils.rnn.PackedSequence`
-            of sequences of different lengths; float, on an XLA device. Build a packed
+            of sequences of different lengths; float, on an XLA device or the CPU. Build a packed
             batch on the CPU and move it with ``.to(device)``, or with
             :func:`torch_pallas.packing.pack_padded_sequence`: torch_xla 2.9's
             ``pack_padded_sequence`` / ``pack_sequence`` return wrong data for XLA tensors.
@@ -384,7 +385,7 @@ class IndRNN(torch.nn.Module):
         for name, tensor in (("input", input), ("hx", hx)):
             if isinstance(tensor, torch.Tensor) and tensor.device != parameter_device:
                 raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on "
-                                 f"{parameter_device}: move both to the same XLA device (module.to(device))")
+                                 f"{parameter_device}: move both to the same device (module.to(device))")
         self._check_dtypes(input, hx)
         batched = input.dim() == 3
         if input.dim() not in (2, 3):
