@@ -14,6 +14,7 @@ import torch_xla.utils.checkpoint
 import torch_pallas
 from torch_pallas import bridge
 from torch_pallas.kernels import dropout as dropout_kernels
+from kernel_calls import record_dropout_keys
 
 SHAPE = (8, 128)  # one shape for the whole file: every new shape is a new XLA compile
 
@@ -79,18 +80,6 @@ def test_noise_contract_torch_xla_checkpoint_recomputes_other_masks_on_the_compi
     assert not torch.equal(forward_mask, backward_mask)  # measured: 509 of 1024 elements differ
     forward_mask, backward_mask = forward_and_backward_masks(step, layer)
     assert torch.equal(forward_mask, backward_mask)
-
-
-def record_dropout_keys(monkeypatch) -> list:
-    keys, call = [], bridge.call
-
-    def recording_call(jax_function, *tensors, **static):
-        if jax_function is dropout_kernels.dropout:
-            keys.append(tuple(tensors[0].cpu().tolist()))
-        return call(jax_function, *tensors, **static)
-
-    monkeypatch.setattr(bridge, "call", recording_call)
-    return keys
 
 
 @pytest.mark.parametrize("checkpoint,recomputed_by_torch_pallas", [

@@ -11,26 +11,11 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 import torch_pallas
-from torch_pallas import bridge
-from torch_pallas.kernels import dropout as dropout_kernels
+from kernel_calls import record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_transformer  # noqa: E402
-
-
-def record_dropout_keys(monkeypatch) -> list:
-    """Key data of every dropout kernel call from now on (forward, recomputation and
-    backward; autograd runs the backward on another thread, so no dispatch mode sees it)."""
-    keys, call = [], bridge.call
-
-    def recording_call(jax_function, *tensors, **static):
-        if jax_function is dropout_kernels.dropout:
-            keys.append(tuple(tensors[0].cpu().tolist()))
-        return call(jax_function, *tensors, **static)
-
-    monkeypatch.setattr(bridge, "call", recording_call)
-    return keys
 
 
 def test_every_dropout_is_routed_and_recomputation_reuses_the_forward_keys(monkeypatch):
