@@ -89,3 +89,12 @@ def test_keyword_arguments_reach_the_function_and_use_reentrant_false_raises():
         torch_pallas.checkpoint(torch.sin, x, use_reentrant=False)
     with pytest.raises(TypeError, match="function must be callable"):
         torch_pallas.checkpoint(None, x)
+
+
+def test_cpu_region_recomputes_its_forward_masks():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(SHAPE[1], SHAPE[1])
+    x = positive_input().cpu().requires_grad_()
+    out, hidden = torch_pallas.checkpoint(region, layer, x)
+    (out.square().sum() + hidden.sum()).backward()
+    assert hidden.device.type == "cpu" and torch.equal(hidden != 0, x.grad != 0)

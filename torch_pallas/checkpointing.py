@@ -10,14 +10,16 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 import torch_xla.utils.checkpoint as xla_checkpoint
 
-from torch_pallas import seeds
+from torch_pallas import bridge, seeds
 from torch_pallas.routing import route_dropout
 
 __all__ = ["checkpoint", "enable"]
 
 
 def _device_of(args) -> torch.device | None:
-    return next((arg.device for arg in args if isinstance(arg, torch.Tensor) and arg.device.type == "xla"), None)
+    """Where the region's key is drawn: the first tensor argument's device (a CPU region's key
+    on the CPU), or the default XLA device."""
+    return next((arg.device for arg in args if isinstance(arg, torch.Tensor) and bridge.runs_on(arg.device)), None)
 
 
 def _active_routing() -> route_dropout | None:
@@ -43,8 +45,10 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
 
     Takes :func:`torch.utils.checkpoint.checkpoint`'s arguments, so it can be given to
     Hugging Face models: ``torch_pallas.checkpoint.enable(model)`` (:func:`enable`) is
-    their ``model.gradient_checkpointing_enable()`` with this function. One key is drawn from the XLA
-    RNG (or the enclosing :func:`torch_pallas.seeds.key_scope`) before the region runs,
+    their ``model.gradient_checkpointing_enable()`` with this function. One key is drawn
+    before the region runs, from the RNG of the first tensor argument's device (the XLA
+    RNG; torch's generator for a CPU region) or the enclosing
+    :func:`torch_pallas.seeds.key_scope`,
     and the region runs in a :func:`~torch_pallas.seeds.key_scope` of it (and in the
     caller's :func:`torch_pallas.route_dropout`, re-entered for the recomputation): its ``i``-th
     random op without a seed uses ``jax.random.fold_in(key, i)``, a pure function of an
