@@ -328,6 +328,7 @@ def torch_dropout_given(keep, x, p):
 
 @pytest.mark.parametrize("p", [0.5, 1.0])
 def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
+    """README, The noise contract: a dropped element is x * 0, as in torch's dropout."""
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.0, 3.0])
     x = xla(values.repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE)).requires_grad_()
     grad = xla(values.flip(0).repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE))
@@ -345,6 +346,7 @@ def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
 
 
 def test_float64_gets_the_float32_mask_and_is_scaled_in_float64():
+    """README, The noise contract (float64) and the bad-input paragraph (dtypes dropout takes)."""
     x = positive(SHAPE, torch.float64).requires_grad_()
     y = torch_pallas.dropout(x, 0.3, seed=SEEDS[2])
     y.backward(xla(torch.ones(SHAPE, dtype=torch.float64)))
@@ -363,6 +365,8 @@ def test_float64_gets_the_float32_mask_and_is_scaled_in_float64():
 
 
 def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
+    """README, A short tour (Plain CPU tensors): the XLA result for the same seed, keys from
+    torch.manual_seed, autograd and torch.func."""
     x_cpu = positive(SHAPE).cpu().requires_grad_()
     y = torch_pallas.dropout(x_cpu, 0.3, seed=SEEDS[3])
     assert y.device.type == "cpu"

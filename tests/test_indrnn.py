@@ -53,6 +53,7 @@ def test_matches_float64_loop(shape, nonlinearity):
 
 
 def test_cpu_tensors_run_the_same_kernels_through_jax():
+    """README, A short tour (Plain CPU tensors): indrnn on the CPU."""
     check_against_reference(*random_case((37, 3, 200)), "tanh", device="cpu")
 
 
