@@ -9,7 +9,7 @@ import torch_xla.debug.metrics as met
 
 import torch_pallas
 from reference import SEEDS, jax_key, ulp_distance
-from torch_pallas import random as tp_random
+from torch_pallas import bridge, random as tp_random
 
 SHAPE = (20, 300)
 
@@ -116,3 +116,47 @@ def test_hardware_noise_has_no_repeated_tiles_on_tpu():
     tiles = u.reshape(32, 8, 8, 128).permute(0, 2, 1, 3).reshape(-1, 8 * 128)
     assert len({tuple(t[:16].tolist()) for t in tiles}) == tiles.shape[0]
     assert not torch.equal(u, tp_random.uniform((256, 1024), seed=3, impl="hardware").cpu())
+
+
+def test_default_impl_is_threefry_and_set_default_impl_checks_its_argument():
+    """README, The noise contract (the default impl and how to change it)."""
+    assert tp_random.get_default_impl() == "threefry"
+    with pytest.raises(ValueError, match="impl must be one of 'threefry', 'hardware', got 'philox'"):
+        tp_random.set_default_impl("philox")
+    if not bridge.on_tpu():
+        with pytest.raises(ValueError, match="needs PJRT_DEVICE=TPU"):
+            tp_random.set_default_impl("hardware")
+    tp_random.set_default_impl("threefry")
+    assert tp_random.get_default_impl() == "threefry"
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: torch_pallas.dropout(x, 0.5), lambda x: torch_pallas.nn.Dropout(0.5)(x),
+    lambda x: torch_pallas.dropout2d(x, 0.5), lambda x: tp_random.uniform(x.shape),
+    lambda x: tp_random.bernoulli(x.shape)])
+def test_every_random_op_without_impl_reads_the_default_and_names_the_environment_variable(monkeypatch, call):
+    x = torch.ones(8, 128, device=torch_xla.device())
+    monkeypatch.setenv("TORCH_PALLAS_NOISE_IMPL", "philox")
+    tp_random.set_default_impl(None)  # back to the environment's choice
+    try:
+        with pytest.raises(ValueError, match=r"\$TORCH_PALLAS_NOISE_IMPL.*got 'philox'"):
+            call(x)
+        with pytest.raises(ValueError, match="TORCH_PALLAS_NOISE_IMPL"):
+            torch_pallas.route_dropout()
+    finally:
+        monkeypatch.delenv("TORCH_PALLAS_NOISE_IMPL")
+        tp_random.set_default_impl(None)
+    assert tp_random.get_default_impl() == "threefry"
+
+
+@pytest.mark.tpu
+def test_set_default_impl_hardware_changes_the_noise_of_calls_without_impl():
+    x = torch.ones(64, 1024, device=torch_xla.device())
+    threefry = torch_pallas.dropout(x, 0.5, seed=3).cpu()
+    tp_random.set_default_impl("hardware")
+    try:
+        default = torch_pallas.dropout(x, 0.5, seed=3).cpu()
+        assert torch.equal(default, torch_pallas.dropout(x, 0.5, seed=3, impl="hardware").cpu())
+        assert not torch.equal(default, threefry)
+    finally:
+        tp_random.set_default_impl(None)

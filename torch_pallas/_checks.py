@@ -57,14 +57,24 @@ def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
 
 
 def resolve_impl(impl) -> str:
-    """``impl`` or the platform default; ``"hardware"`` only on TPU."""
-    if impl is None:
-        return bridge.default_noise_impl()
-    prng.check_impl(impl)
+    """``impl``, or the default (:func:`torch_pallas.random.set_default_impl`); ``"hardware"``
+    only on TPU."""
+    if impl is not None:
+        return _check_impl(impl, "impl")
+    default = bridge.default_noise_impl()
+    if default == bridge.PLATFORM_NOISE_IMPL:
+        return default
+    # Set by the environment or set_default_impl: name where it came from if it is refused.
+    return _check_impl(default, f"the default noise impl (torch_pallas.random.set_default_impl or "
+                                f"${bridge.NOISE_IMPL_VARIABLE})")
+
+
+def _check_impl(impl, name: str) -> str:
+    prng.check_impl(impl, name)
     if impl == prng.HARDWARE and not bridge.on_tpu():
         raise ValueError(
-            "impl='hardware' uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
-            "use impl='threefry' (the default) here")
+            f"{name} is 'hardware', which uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
+            "use impl='threefry' here")
     return impl
 
 

@@ -74,16 +74,30 @@ def interpret_mode() -> bool:
     return not on_tpu()
 
 
-def default_noise_impl() -> str:
-    """``"threefry"`` on every platform.
+# The process-wide noise impl of calls without ``impl=``, as JAX's ``jax_default_prng_impl``:
+# read from the environment once, changed by torch_pallas.random.set_default_impl.
+NOISE_IMPL_VARIABLE = "TORCH_PALLAS_NOISE_IMPL"
+# "threefry" on every platform. On TPU the hardware PRNG is opt-in: reseeding it per (8, 128)
+# tile, as the block-invariance contract needs, compiles to a threefry hash of a whole vector
+# register per tile, and libtpu's schedule for it is 2-4x longer than threefry's on
+# v4/v5e/v5p/v6e (bench/results/tpu_cost.md). Threefry is also bit for bit jax.random on
+# every backend.
+PLATFORM_NOISE_IMPL = "threefry"
+_default_noise_impl = os.environ.get(NOISE_IMPL_VARIABLE) or PLATFORM_NOISE_IMPL
 
-    On TPU the hardware PRNG is opt-in (``impl="hardware"``): reseeding it per (8, 128) tile,
-    as the block-invariance contract needs, compiles to a threefry hash of a whole vector
-    register per tile, and libtpu's schedule for it is 2-4x longer than threefry's on
-    v4/v5e/v5p/v6e (``bench/results/tpu_cost.md``). Threefry is also bit for bit
-    ``jax.random`` on every backend.
-    """
-    return "threefry"
+
+def default_noise_impl() -> str:
+    """The noise impl of calls without ``impl=`` (unchecked: the environment may name any):
+    the last :func:`set_default_noise_impl`, else ``$TORCH_PALLAS_NOISE_IMPL``, else
+    :data:`PLATFORM_NOISE_IMPL`."""
+    return _default_noise_impl
+
+
+def set_default_noise_impl(impl: str | None) -> None:
+    """Makes ``impl`` (checked by the caller) the default; ``None`` restores the environment's
+    or the platform's. Dynamo guards on the value read: a change recompiles."""
+    global _default_noise_impl
+    _default_noise_impl = impl or os.environ.get(NOISE_IMPL_VARIABLE) or PLATFORM_NOISE_IMPL
 
 
 # Devices whose tensors go to JAX through DLPack: torch's device type -> JAX's platform.

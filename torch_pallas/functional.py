@@ -43,8 +43,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             Without ``seed`` or ``generator`` a fresh key is drawn on every call from the
             RNG of ``x``'s device: the XLA RNG (seeded by ``torch_xla.manual_seed``), or
             torch's default generator for a CPU ``x`` (seeded by ``torch.manual_seed``).
-        impl (str, optional): ``"threefry"`` (default) or ``"hardware"`` (TPU only, opt-in:
-            see :func:`torch_pallas.bridge.default_noise_impl`).
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
+            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
             at every index of the first dim (for a recurrent net's time-major sequence:
             the same mask at every time step). Default: ``False``.

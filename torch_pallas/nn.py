@@ -48,7 +48,8 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
         inplace (bool): write the result into the input and return it, as
             :class:`torch.nn.Dropout` does. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
+            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
 
         mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
             in SPMD mode, how the input is sharded (as ``xs.mark_sharding`` takes it): the
@@ -104,7 +105,8 @@ _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`
     Args:
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
         inplace (bool): write the result into the input and return it. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
+            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
 
     Shape:
         - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16,

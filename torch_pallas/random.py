@@ -17,10 +17,51 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, seeds, sharding
+from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.ops import sampling as sampling_op
 
-__all__ = ["uniform", "normal", "bernoulli"]
+__all__ = ["uniform", "normal", "bernoulli", "get_default_impl", "set_default_impl"]
+
+
+def get_default_impl() -> str:
+    """Returns the noise generator of every random op called without ``impl=``.
+
+    ``"threefry"`` unless changed by :func:`set_default_impl` or, when the process starts,
+    by the environment variable ``TORCH_PALLAS_NOISE_IMPL`` (as ``JAX_DEFAULT_PRNG_IMPL``
+    sets ``jax.random``'s).
+
+    Raises:
+        ValueError: the environment names an unknown impl, or ``"hardware"`` off TPU.
+    """
+    return _checks.resolve_impl(None)
+
+
+def set_default_impl(impl: str | None) -> None:
+    r"""Sets the noise generator of every random op called without ``impl=``: dropout (the
+    functions, modules, :func:`torch_pallas.route_dropout`), channel dropout,
+    :func:`uniform`, :func:`normal` and :func:`bernoulli`. An explicit ``impl=`` still wins.
+
+    Process-wide, as ``jax.config.update("jax_default_prng_impl", ...)`` is for JAX; under
+    ``torch.compile`` a change recompiles the functions that read it. Modules read it when
+    they run, not when they are built.
+
+    Args:
+        impl (str or None): ``"threefry"`` (bit for bit ``jax.random``, equal on every
+            backend) or ``"hardware"`` (the TPU's hardware PRNG; TPU only); ``None``
+            restores the environment's choice (``TORCH_PALLAS_NOISE_IMPL``) or
+            ``"threefry"``.
+
+    Raises:
+        ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
+
+    Example::
+
+        >>> torch_pallas.random.set_default_impl("hardware")   # on a TPU VM
+        >>> y = torch_pallas.dropout(x, 0.1)                    # the hardware PRNG
+    """
+    if impl is not None:
+        _checks.resolve_impl(impl)
+    bridge.set_default_noise_impl(impl)
 
 
 def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec):
@@ -43,7 +84,8 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             run through JAX and give the same numbers); default ``torch_xla.device()``.
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
         impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
-            ``"hardware"`` (TPU only); default ``"threefry"``.
+            ``"hardware"`` (TPU only); default :func:`get_default_impl` (``"threefry"``
+            unless changed).
         mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
             in SPMD mode (``torch_xla.runtime.use_spmd()``), return a tensor sharded as
             ``xs.mark_sharding(t, mesh, partition_spec)`` would shard it, each device drawing

@@ -42,7 +42,8 @@ class route_dropout(TorchFunctionMode):
     routed: a warning says so (once per call site).
 
     Args:
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default ``"threefry"`` (see :func:`torch_pallas.bridge.default_noise_impl`).
+        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
+            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
 
     Raises:
         ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.

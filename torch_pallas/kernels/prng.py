@@ -44,8 +44,8 @@ _KEY_SCHEDULE_PARITY = np.uint32(0x1BD11BDA)
 _FLOAT32_ONE_BITS = np.uint32(0x3F800000)
 
 
-def check_impl(impl: str) -> str:
-    return arguments.check_one_of("impl", impl, IMPLS)
+def check_impl(impl: str, name: str = "impl") -> str:
+    return arguments.check_one_of(name, impl, IMPLS)
 
 
 def check_can_run(impl: str, interpret: bool) -> None:
