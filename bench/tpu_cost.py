@@ -82,7 +82,8 @@ HARDWARE = {
 
 
 def _elementwise_grid(itemsize, impl):
-    blocks = tiling.resolve_elementwise(None, *VIEW, itemsize, interpret=False, whole_tiles=impl == "hardware")
+    blocks = tiling.resolve_elementwise(None, *VIEW, itemsize, interpret=False,
+                                        seed_tile=tiling.hardware_tile(*VIEW) if impl == "hardware" else None)
     return math.ceil(VIEW[0] / blocks.rows) * math.ceil(VIEW[1] / blocks.cols)
 
 

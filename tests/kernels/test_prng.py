@@ -12,7 +12,7 @@ from jax._src.pallas.mosaic import random as pallas_random
 from jax.experimental.pallas import tpu as pltpu
 
 from reference import SEEDS, jax_key, key_data
-from torch_pallas.kernels import prng
+from torch_pallas.kernels import prng, tiling
 
 
 def test_threefry2x32_known_answer():
@@ -54,13 +54,22 @@ def test_tile_seed_is_pallas_fold_in(seed, monkeypatch):
         np.testing.assert_array_equal(np.asarray(our_word).view(np.uint32), np.asarray(their_word))
 
 
-@pytest.mark.parametrize("total,block", [((16, 512), (16, 256)), ((16, 512), (8, 128)), ((64, 1024), (32, 512)),
-                                         ((24, 384), (24, 128))])
-def test_tile_index_is_sample_blocks(total, block):
-    tiles_per_block = (block[0] // 8, block[1] // 128)
-    tiles_in_total = (total[0] // 8, total[1] // 128)
+@pytest.mark.parametrize("total,block,tile", [
+    ((16, 512), (16, 256), (8, 128)), ((16, 512), (8, 128), (8, 128)), ((64, 1024), (32, 512), (8, 128)),
+    ((24, 384), (24, 128), (8, 128)), ((256, 3072), (128, 2048), (64, 1024)), ((256, 3072), (64, 1024), (64, 1024)),
+    ((48, 1152), (48, 384), (16, 128))])
+def test_tile_index_is_sample_blocks(total, block, tile):
+    tiles_per_block = (block[0] // tile[0], block[1] // tile[1])
+    tiles_in_total = (total[0] // tile[0], total[1] // tile[1])
     for block_row, block_col in itertools.product(range(total[0] // block[0]), range(total[1] // block[1])):
         for r, c in itertools.product(*map(range, tiles_per_block)):
             theirs = blocked_sampler._compute_tile_index((block_row, block_col), tiles_per_block, tiles_in_total, (r, c))
-            row0, col0 = block_row * block[0] + r * 8, block_col * block[1] + c * 128
-            assert prng.tile_index(row0, col0, total[1]) == theirs
+            row0, col0 = block_row * block[0] + r * tile[0], block_col * block[1] + c * tile[1]
+            assert prng.tile_index(row0, col0, total[1], tile) == theirs
+
+
+@pytest.mark.parametrize("view,tile", [
+    ((4096, 1024), (64, 1024)), ((16, 1024), (16, 1024)), ((1, 1000), (8, 1024)), ((13, 300), (16, 128)),
+    ((2, 3072), (8, 1024)), ((100, 384), (8, 128)), ((2048, 128), (512, 128)), ((1, 7), (8, 128))])
+def test_hardware_tile_is_the_largest_that_pads_no_more_than_whole_vregs(view, tile):
+    assert tiling.hardware_tile(*view) == tile

@@ -159,13 +159,13 @@ def test_shards_the_kernel_cannot_follow_are_refused():
                          shard_offset=np.zeros(1, np.int32))
 
 
-def emulated_hardware_tile_bits(hardware_key_ref, tile_index):
+def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
     """A stand-in for the TPU's hardware PRNG, which cannot run on CPU: like it, a function of
     the two words ``prng_seed`` gets for the tile (here threefry of them over the tile)."""
     seed = [jax.lax.bitcast_convert_type(word, jnp.uint32)
             for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
-    rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, prng.TILE, d) for d in (0, 1))
-    return prng.threefry_bits(*seed, rows * np.uint32(prng.TILE[1]) + cols)
+    rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, tile, d) for d in (0, 1))
+    return prng.threefry_bits(*seed, rows * np.uint32(tile[1]) + cols)
 
 
 @pytest.fixture
@@ -182,10 +182,11 @@ def as_int32(bits):
 
 # (global shape, shards per dim, shared over the first dim, blocks of the whole and the shard).
 HARDWARE_SHARDED = [
-    ((64, 1024), (4, 1), False, None),                     # view (64, 1024): one 8-row band of tiles per shard
-    ((4, 6, 2048), (2, 1, 1), False, Blocks(8, 128)),      # view (48, 1024): 3 bands per shard
-    ((5, 4, 256), (1, 2, 1), True, None),                  # one mask row of 1024: 4 tiles per shard
-    ((4, 2, 256), (2, 1, 1), True, Blocks(8, 128)),        # split over the shared dim: the whole mask row
+    ((256, 1024), (4, 1), False, None),                    # view (256, 1024), (64, 1024) tiles: one band a shard
+    ((6, 32, 2048), (2, 1, 1), False, Blocks(128, 1024)),  # view (384, 1024): 3 bands per shard
+    ((3, 16, 1024), (3, 1, 1), False, Blocks(16, 1024)),   # view (48, 1024), (16, 1024) tiles: a band a shard
+    ((5, 8, 256), (1, 2, 1), True, None),                  # one mask row of 2048, (8, 1024) tiles: 1 per shard
+    ((4, 2, 256), (2, 1, 1), True, Blocks(8, 512)),        # split over the shared dim: the whole mask row, one tile
 ]
 
 
@@ -206,5 +207,24 @@ def test_hardware_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_pr
 @pytest.mark.parametrize("shard,global_shape", [((16, 256), (16, 1024)), ((4, 1024), (16, 1024))],
                          ids=["columns", "half a band"])
 def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shape):
-    with pytest.raises(ValueError, match="whole tensor's 16x1024 view.*threefry"):
+    with pytest.raises(ValueError, match=r"\(16, 1024\) tile of the whole tensor's 16x1024 view.*threefry"):
         elementwise.hardware_view(shard, global_shape)
+
+
+@pytest.mark.parametrize("shape,blocks", [((256, 1024), [Blocks(64, 1024), Blocks(128, 1024, True), Blocks(256, 1024)]),
+                                          ((13, 300), [Blocks(16, 128), Blocks(16, 256, True)]),
+                                          ((3, 5, 700), [Blocks(16, 256), Blocks(16, 768, True)])],
+                         ids=["large tiles", "ragged", "last dim"])
+def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hardware_prng, shape, blocks):
+    noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(7)), shape, as_int32, jnp.int32,
+                              impl="hardware", interpret=True)
+    expected = np.asarray(noise())
+    assert len(np.unique(expected)) > expected.size // 2
+    for block in blocks:
+        np.testing.assert_array_equal(np.asarray(noise(blocks=block)), expected, err_msg=str(block))
+
+
+def test_hardware_blocks_that_are_not_whole_seed_tiles_are_refused():
+    with pytest.raises(ValueError, match=r"whole \(64, 1024\) tiles for impl='hardware'"):
+        elementwise.noise_map(jnp.asarray(key_data(0)), (256, 1024), as_int32, jnp.int32, impl="hardware",
+                              interpret=False, blocks=Blocks(8, 128))

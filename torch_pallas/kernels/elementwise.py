@@ -1,8 +1,9 @@
 """One Pallas driver for every elementwise op that consumes noise (sampling, dropout).
 
 It views the tensor as a 2-D matrix (:func:`tiling.view_2d`), resolves the blocks, pads the
-view to whole tiles for the hardware PRNG, and runs a kernel that, chunk by chunk, draws the
-chunk's random bits and writes ``transform(bits[, operand chunk])``.
+view to whole seed tiles for the hardware PRNG (:func:`tiling.hardware_tile`), and runs a
+kernel that, chunk by chunk, draws the chunk's random bits and writes
+``transform(bits[, operand chunk])``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
         rows, cols = pl.ds(row_offset, chunk_rows), pl.ds(col_offset, chunk_cols)
         if row_stride == 0:
             # Every row gets row 0's bits (a mask shared over the first dim): draw one row
-            # (one tile row for the hardware PRNG).
-            drawn_rows = tiling.SUBLANES if impl == prng.HARDWARE else 1
+            # (one seed tile, whose first row it is, for the hardware PRNG).
+            drawn_rows = chunk_rows if impl == prng.HARDWARE else 1
             bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
                                    view_cols, base)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
@@ -114,16 +115,19 @@ def check_index_dims(shape, global_shape, shared_over_first_dim: bool = False) -
     return dims
 
 
-def hardware_view(shape, global_shape, shared_over_first_dim: bool = False) -> tuple[int, int, bool, int]:
-    """``(rows, cols, shared_row, global_cols)`` for ``impl="hardware"``: the 2-D view of a
-    tensor of ``shape``, a shard of ``global_shape`` (or all of it), whether every row draws
-    the first row's noise, and the width of the whole tensor's view.
+def hardware_view(shape, global_shape, shared_over_first_dim: bool = False
+                  ) -> tuple[int, int, bool, int, tuple[int, int]]:
+    """``(rows, cols, shared_row, global_cols, seed_tile)`` for ``impl="hardware"``: the 2-D
+    view of a tensor of ``shape``, a shard of ``global_shape`` (or all of it), whether every
+    row draws the first row's noise, the width of the whole tensor's view, and the tile the
+    PRNG is seeded per.
 
-    The hardware PRNG is seeded per (8, 128) tile of the whole tensor's view, padded to whole
-    tiles: the elements of ``global_shape[1:]`` in one row for a mask shared over the first
-    dim, else :func:`tiling.view_2d` of ``global_shape``. A shard draws its part of that
-    noise when it is whole tiles of that view: a contiguous run of whole 8-row bands of it
-    (a split over the first dims), or of whole 128-element tiles of a one-row view.
+    The hardware PRNG is seeded per tile (:func:`tiling.hardware_tile`) of the whole tensor's
+    view, padded to whole tiles: the elements of ``global_shape[1:]`` in one row for a mask
+    shared over the first dim, else :func:`tiling.view_2d` of ``global_shape``. A shard draws
+    its part of that noise when it is whole tiles of that view: a contiguous run of whole
+    bands of tile rows of it (a split over the first dims), or of whole tiles of a one-row
+    view.
 
     Raises:
         ValueError: a shard that is not whole tiles of the whole tensor's view.
@@ -132,12 +136,13 @@ def hardware_view(shape, global_shape, shared_over_first_dim: bool = False) -> t
     shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
     numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
     global_cols = numel if shared_row else tiling.view_2d(global_shape)[1]
+    seed_tile = tiling.hardware_tile(numel // global_cols, global_cols)
     part = [size for size, stride in index_dims(shape, global_shape, shared_over_first_dim) if stride]
-    band = global_cols * tiling.SUBLANES if numel > global_cols else tiling.LANES
+    band = global_cols * seed_tile[0] if numel > global_cols else seed_tile[1]
     if len(part) != 1 or (part[0] != numel and part[0] % band):
         raise ValueError(
             f'impl="hardware" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
-            f"its noise is seeded per {tiling.TILE} tile of the whole tensor's "
+            f"its noise is seeded per {seed_tile} tile of the whole tensor's "
             f"{numel // global_cols}x{global_cols} view, so a shard must be a contiguous run of "
             f"{band}-element bands of it (split the first dims only, in whole bands); "
             f'use impl="threefry" (the default)')
@@ -145,20 +150,21 @@ def hardware_view(shape, global_shape, shared_over_first_dim: bool = False) -> t
     rows, cols = (1, size) if numel == global_cols else (size // global_cols, global_cols)
     if shared_row:
         rows = shape[0]
-    return rows, cols, shared_row, global_cols
+    return rows, cols, shared_row, global_cols, seed_tile
 
 
-def _first_tile(shard_offset: jax.Array, global_cols: int) -> jax.Array:
-    """int32 (1,): the index of a shard's first tile in the whole tensor's view (see
+def _first_tile(shard_offset: jax.Array, global_cols: int, seed_tile: tuple[int, int]) -> jax.Array:
+    """int32 (1,): the index of a shard's first seed tile in the whole tensor's view (see
     :func:`hardware_view`), from the flat index of its first element."""
     offset = lax.bitcast_convert_type(shard_offset, jnp.uint32)
-    band = global_cols * tiling.SUBLANES
-    tiles_per_band = tiling.round_up(global_cols, tiling.LANES) // tiling.LANES
+    tile_rows, tile_cols = seed_tile
+    band = global_cols * tile_rows
+    tiles_per_band = tiling.round_up(global_cols, tile_cols) // tile_cols
     if band >= 2**32:  # a one-row view: every offset lies in its first band
-        first = offset // np.uint32(tiling.LANES)
+        first = offset // np.uint32(tile_cols)
     else:
         first = (offset // np.uint32(band) * np.uint32(tiles_per_band)
-                 + offset % np.uint32(band) // np.uint32(tiling.LANES))
+                 + offset % np.uint32(band) // np.uint32(tile_cols))
     return lax.bitcast_convert_type(first, jnp.int32)
 
 
@@ -200,14 +206,17 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     hardware = impl == prng.HARDWARE
     sharded = global_shape is not None
     outer, outer_stride = 1, None
+    seed_tile = None
     if hardware:
-        rows, cols, shared_row, global_cols = hardware_view(shape, global_shape if sharded else shape,
-                                                            shared_over_first_dim)
-        # Per-tile seeding needs whole tiles; the padding is computed and sliced off.
-        view_rows, view_cols = tiling.round_up(rows, tiling.SUBLANES), tiling.round_up(cols, tiling.LANES)
+        rows, cols, shared_row, global_cols, seed_tile = hardware_view(
+            shape, global_shape if sharded else shape, shared_over_first_dim)
+        # Per-tile seeding needs whole tiles; the padding is computed and sliced off. (A
+        # shared row's view rows are the first dim's, whose every row reads the tile's row 0.)
+        view_rows = tiling.round_up(rows, tiling.SUBLANES if shared_row else seed_tile[0])
+        view_cols = tiling.round_up(cols, seed_tile[1])
         row_stride = 0 if shared_row else view_cols
         if sharded:
-            shard_offset = _first_tile(shard_offset, global_cols)
+            shard_offset = _first_tile(shard_offset, global_cols, seed_tile)
     else:
         dims = check_index_dims(shape, global_shape if sharded else shape, shared_over_first_dim)
         if len(dims) == 3:
@@ -221,7 +230,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         view_rows, view_cols = rows, cols
     itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
-                                        whole_tiles=hardware)
+                                        seed_tile=seed_tile)
 
     grid = (pl.cdiv(view_rows, blocks.rows), pl.cdiv(view_cols, blocks.cols))
     block_shape = (blocks.rows, blocks.cols)
@@ -249,7 +258,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
         outer_stride=outer_stride, sharded=sharded, column_major_grid=blocks.column_major_grid,
-        chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, whole_tiles=hardware))
+        chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, seed_tile=seed_tile))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(view_shape, out_dtype),

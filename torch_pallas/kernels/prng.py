@@ -11,12 +11,14 @@ Two generators, chosen by ``impl``:
     therefore compute its part of the global noise, whatever the block size or grid order.
 
 ``"hardware"``
-    The TPU's hardware PRNG, reseeded for every (8, 128) tile of the 2-D view exactly as
-    ``pltpu.sample_block`` seeds it with a key from ``pltpu.to_pallas_key``: the Pallas key
-    is ``jax.random.bits(key, (1, 2), uint32)`` (:func:`hardware_key_data`), a tile's key is
-    its ``fold_in`` of the row-major tile index (:func:`tile_seed`), and ``prng_seed`` gets
-    those two words. So the noise is the same for every block made of whole tiles, and what
-    a JAX user's ``sample_block`` draws on the same TPU. TPU only; not threefry's bits.
+    The TPU's hardware PRNG, reseeded for every tile of the 2-D view (up to (64, 1024):
+    :func:`tiling.hardware_tile`) exactly as ``pltpu.sample_block`` seeds it with that
+    ``tile_size`` and a key from ``pltpu.to_pallas_key``: the Pallas key is
+    ``jax.random.bits(key, (1, 2), uint32)`` (:func:`hardware_key_data`), a tile's key is
+    its ``fold_in`` of the row-major tile index (:func:`tile_seed`), ``prng_seed`` gets
+    those two words and the tile's bits are ``prng_random_bits(tile)``. So the noise is the
+    same for every block made of whole tiles, and what a JAX user's ``sample_block`` draws
+    with that tile on the same TPU. TPU only; not threefry's bits.
 
 Everything here runs inside a kernel body. Key data arrives as two int32 words in SMEM (the
 form it crosses the torch/JAX boundary in) and is reinterpreted as uint32 here.
@@ -33,7 +35,6 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import arguments
-from torch_pallas.kernels.tiling import TILE
 
 THREEFRY = "threefry"
 HARDWARE = "hardware"
@@ -135,32 +136,32 @@ def tile_seed(hardware_key0, hardware_key1, tile_index):
     return key0, _rotate_left(key1, 13) ^ key0
 
 
-def tile_index(row0, col0, num_cols: int):
-    """Row-major index of the tile at element (row0, col0) of a view ``num_cols`` wide (whole
-    tiles), as ``sample_block`` numbers tiles."""
-    return row0 // TILE[0] * (num_cols // TILE[1]) + col0 // TILE[1]
+def tile_index(row0, col0, num_cols: int, tile: tuple[int, int]):
+    """Row-major index of the ``tile``-shaped tile at element (row0, col0) of a view
+    ``num_cols`` wide (whole tiles), as ``sample_block`` numbers tiles."""
+    return row0 // tile[0] * (num_cols // tile[1]) + col0 // tile[1]
 
 
-def hardware_tile_bits(hardware_key_ref, tile_index) -> jax.Array:
-    """uint32 bits of one (8, 128) tile from the TPU hardware PRNG, seeded for that tile.
+def hardware_tile_bits(hardware_key_ref, tile_index, tile: tuple[int, int]) -> jax.Array:
+    """uint32 bits of one ``tile`` from the TPU hardware PRNG, seeded for that tile.
     Compiled Mosaic kernels only: the hardware PRNG has no CPU rule."""
     pltpu.prng_seed(*tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index))
-    return pltpu.bitcast(pltpu.prng_random_bits(TILE), jnp.uint32)
+    return pltpu.bitcast(pltpu.prng_random_bits(tile), jnp.uint32)
 
 
 def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None) -> jax.Array:
     """uint32 random bits for the (rows, cols) chunk at position (row0, col0) of a 2-D view.
 
     ``row_stride`` and ``base``: see :func:`block_flat_index`. For ``impl="hardware"`` the
-    view is padded to whole tiles, ``row_stride`` its width, the chunk one tile at a tile's
-    position, ``base`` (int32) the index of the view's first tile in the whole tensor's
-    view, and ``key_data_ref`` holds :func:`hardware_key_data`.
+    view is padded to whole tiles, ``row_stride`` its width, the chunk one tile (the seed
+    tile) at a tile's position, ``base`` (int32) the index of the view's first tile in the
+    whole tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`.
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, row_stride, base))
-    index = tile_index(row0, col0, row_stride)
-    return hardware_tile_bits(key_data_ref, index if base is None else index + base)
+    index = tile_index(row0, col0, row_stride, chunk_shape)
+    return hardware_tile_bits(key_data_ref, index if base is None else index + base, chunk_shape)
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:

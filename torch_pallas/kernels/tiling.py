@@ -22,10 +22,14 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-# One vreg of 32-bit values: (sublanes, lanes). Blocks are multiples of it, and the
-# hardware PRNG is seeded once per tile.
+# One vreg of 32-bit values: (sublanes, lanes). Blocks are multiples of it.
 TILE = (8, 128)
 SUBLANES, LANES = TILE
+# The hardware PRNG is seeded once per tile of up to this many elements: seeding is a
+# threefry hash of a whole vreg, so a (8, 128) tile spent as many vector ops on the seed as
+# threefry spends on the tile's noise, and a (64, 1024) tile brings dropout to HBM speed on
+# v5e/v5p/v6e (bench/results/tpu_cost.md, where the tile sizes compared are costed).
+HARDWARE_TILE_ELEMENTS = 64 * 1024
 
 # Interpret mode: every grid step costs a fixed host overhead and copies of every operand
 # block, so blocks are as large as possible. TPU: a block plus its double buffers fits VMEM.
@@ -109,6 +113,22 @@ def view_2d(shape) -> tuple[int, int]:
     return 1, numel
 
 
+def hardware_tile(rows: int, cols: int) -> tuple[int, int]:
+    """The tile the hardware PRNG is seeded per, over a ``(rows, cols)`` view: the widest of
+    1024, 512, 256, 128 lanes that divides the view's width in whole lanes, and as many rows
+    (a multiple of 8, up to :data:`HARDWARE_TILE_ELEMENTS` in all) as divide its height in
+    whole sublanes, so that padding the view to whole tiles adds no more than padding it to
+    whole vregs. A function of the view alone: the forward and backward kernels of one
+    tensor, and its shards, share it."""
+    width = round_up(cols, LANES)
+    tile_cols = next(c for c in (1024, 512, 256, LANES) if width % c == 0)
+    height = round_up(rows, SUBLANES)
+    tile_rows = SUBLANES
+    while tile_rows * 2 * tile_cols <= HARDWARE_TILE_ELEMENTS and height % (tile_rows * 2) == 0:
+        tile_rows *= 2
+    return tile_rows, tile_cols
+
+
 def _mosaic_block(block: tuple[int, int], full: tuple[int, int], what: str) -> tuple[int, int]:
     """``block`` clamped to ``full``; raises unless each dim is a multiple of TILE or full."""
     block = tuple(min(b, f) for b, f in zip(block, full))
@@ -120,12 +140,12 @@ def _mosaic_block(block: tuple[int, int], full: tuple[int, int], what: str) -> t
 
 
 def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, itemsize: int, *,
-                        interpret: bool, whole_tiles: bool = False) -> ElementwiseBlocks:
+                        interpret: bool, seed_tile: tuple[int, int] | None = None) -> ElementwiseBlocks:
     """``blocks`` checked against a ``(rows, cols)`` view, or the default for it.
 
     Default: few large blocks in interpret mode; about 1 MiB per operand block on TPU
-    (double-buffered in and out: 4 MiB of VMEM). ``whole_tiles`` (the hardware PRNG)
-    requires blocks made of whole tiles; the view is then padded to whole tiles.
+    (double-buffered in and out: 4 MiB of VMEM). ``seed_tile`` (the hardware PRNG's tile;
+    the view is then whole tiles) requires blocks made of whole tiles.
 
     Raises:
         TypeError: ``blocks`` is not an :class:`ElementwiseBlocks`.
@@ -133,13 +153,14 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
     """
     if blocks is None:
         blocks = _default_elementwise(rows, cols, itemsize, interpret)
-        if whole_tiles:
-            blocks = ElementwiseBlocks(round_up(blocks.rows, SUBLANES), round_up(blocks.cols, LANES))
+        if seed_tile is not None:
+            blocks = ElementwiseBlocks(round_up(blocks.rows, seed_tile[0]), round_up(blocks.cols, seed_tile[1]))
     elif not isinstance(blocks, ElementwiseBlocks):
         raise TypeError(f"blocks must be an ElementwiseBlocks or None, got {type(blocks).__name__}")
     block_rows, block_cols = _mosaic_block((blocks.rows, blocks.cols), (rows, cols), "blocks")
-    if whole_tiles and (block_rows % SUBLANES or block_cols % LANES):
-        raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {TILE} tiles for impl='hardware'")
+    if seed_tile is not None and (block_rows % seed_tile[0] or block_cols % seed_tile[1]):
+        raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {seed_tile} tiles for impl='hardware', "
+                         f"the tile its PRNG is seeded per over this {rows}x{cols} view")
     return dataclasses.replace(blocks, rows=block_rows, cols=block_cols)
 
 
@@ -164,13 +185,14 @@ def _default_elementwise(rows: int, cols: int, itemsize: int, interpret: bool) -
     return ElementwiseBlocks(rows, block_cols)
 
 
-def chunk_shape(blocks: ElementwiseBlocks, *, interpret: bool, whole_tiles: bool) -> tuple[int, int]:
+def chunk_shape(blocks: ElementwiseBlocks, *, interpret: bool,
+                seed_tile: tuple[int, int] | None = None) -> tuple[int, int]:
     """What an elementwise kernel body processes at a time: the whole block in interpret
     mode; on TPU a few vregs, so that the threefry rounds' live values stay in registers
-    (a (1, 262144) chunk spilled 24 MiB and overflowed v4's VMEM); one tile for the
+    (a (1, 262144) chunk spilled 24 MiB and overflowed v4's VMEM); one ``seed_tile`` for the
     hardware PRNG, which is seeded per tile."""
-    if whole_tiles:
-        return TILE
+    if seed_tile is not None:
+        return seed_tile
     if interpret:
         return blocks.rows, blocks.cols
     cols = next((c for c in (_TPU_CHUNK_COLS, 512, 256, LANES) if blocks.cols % c == 0), blocks.cols)
