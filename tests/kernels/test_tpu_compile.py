@@ -95,8 +95,12 @@ def test_dropout(generation, impl, dtype, shared_over_first_dim):
                  jax.ShapeDtypeStruct(ELEMENTWISE_SHAPES["large"], DTYPES[dtype]), generation=generation)
 
 
+# Each chip's shard offset: the [high, low] words of its first element's flat index.
+OFFSETS_SPEC = P("data", "model", None)
+
+
 def _dropout_on_shard(key_data, offsets, x, *, global_shape, **options):
-    return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(1), **options)
+    return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(2), **options)
 
 
 # (global shape, partition spec): split rows, split columns, both, and a 3-D tensor split
@@ -107,12 +111,12 @@ SHARDED_NOISE = [((1024, 2048), P("data", None)), ((1024, 2048), P(None, "model"
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
-    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec in SHARDED_NOISE:
         for shared in (False, True):
             kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False,
                                        shared_over_first_dim=shared)
-            assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+            assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                            jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
 
 
@@ -123,11 +127,11 @@ HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048),
 
 
 def test_hardware_dropout_per_shard_on_a_2x2_topology(generation):
-    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec, shared in HARDWARE_SHARDED_NOISE:
         kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False, impl="hardware",
                                    shared_over_first_dim=shared)
-        assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+        assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                        jax.ShapeDtypeStruct(shape, jnp.float32), generation=generation)
 
 
