@@ -20,6 +20,11 @@ def jax_key(seed: int):
     return jax.random.wrap_key_data(jnp.asarray(key_data(seed).view(np.uint32)), impl="threefry2x32")
 
 
+def offset_words(flat_index: int) -> np.ndarray:
+    """A shard's offset as the kernels take it: int32 ``[high, low]`` words of the flat index."""
+    return np.array([flat_index >> 32, flat_index & 0xFFFFFFFF], np.uint32).view(np.int32)
+
+
 def jax_random_part(draw, key, part) -> np.ndarray:
     """``draw(key)[part]``, where ``draw`` is a ``jax.random`` call over a whole tensor too large
     to allocate (2**32 elements and more), computed at the sliced elements only.

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import SEEDS, as_bits, jax_key, jax_random_part, key_data, ulp_distance
-from torch_pallas.kernels import elementwise, prng, sampling
+from reference import SEEDS, as_bits, jax_key, jax_random_part, key_data, offset_words, ulp_distance
+from torch_pallas.kernels import elementwise, prng, sampling, tiling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 # (shape, block shapes to try). Blocks that do not divide the 2-D view are included: Pallas
@@ -117,11 +117,6 @@ SHARDED = [((16, 256), (4, 1), None), ((16, 256), (1, 4), None), ((16, 256), (2,
            ((6, 4, 8, 256), (1, 2, 1, 2), Blocks(8, 128, True))]
 sample_shard = jax.jit(sampling.sample, static_argnames=(
     "shape", "distribution", "interpret", "blocks", "global_shape"))
-
-
-def offset_words(flat_index: int) -> np.ndarray:
-    """A shard's offset as the kernels take it: int32 ``[high, low]`` words of the flat index."""
-    return np.array([flat_index >> 32, flat_index & 0xFFFFFFFF], np.uint32).view(np.int32)
 
 
 def shards(global_shape, tiles, shared_over_first_dim=False):
@@ -279,3 +274,31 @@ def test_hardware_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_pr
 def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shape):
     with pytest.raises(ValueError, match="whole tensor's 16x1024 view.*threefry"):
         elementwise.hardware_view(shard, global_shape)
+
+
+@pytest.mark.parametrize("global_cols,one_row", [(1024, False), (200, False), (384, False), (3 * 2**30, False),
+                                                 (1024, True), (2**32 + 1024, True)])
+def test_first_tile_of_a_shard_is_its_tile_index_past_2_32_elements(global_cols, one_row):
+    # A shard starts a whole band of the view (one-row view: a whole tile); the tile index
+    # wraps modulo 2**32 as the int32 arithmetic of JAX's sample_block does.
+    step = tiling.LANES if one_row else global_cols * tiling.SUBLANES
+    tiles_per_band = -(-global_cols // tiling.LANES)
+    for multiple in (0, 1, 5, 2**20 + 3, 2**25 + 7, 2**31 - 1, 2**33 + 1):
+        offset = multiple * step
+        if offset >= 2**64:
+            continue
+        expected = (offset // tiling.LANES if one_row else multiple * tiles_per_band) % 2**32
+        got = elementwise._first_tile(jnp.asarray(offset_words(offset)), global_cols, one_row)
+        assert int(np.asarray(got).view(np.uint32)[0]) == expected, offset
+
+
+def test_hardware_shard_past_2_32_elements_draws_its_tiles(emulated_hardware_prng):
+    # (2**19 + 8, 8192) is viewed as (2**22 + 64, 1024): the shard at row 2**19 (element 2**32)
+    # is view rows 2**22 to 2**22 + 63, whose tiles are numbered from 2**22 on, 8 per band.
+    global_shape, shard = (2**19 + 8, 8192), (8, 8192)
+    hardware_key = prng.hardware_key_data(jnp.asarray(key_data(5)))
+    got = elementwise.noise_map(jnp.asarray(key_data(5)), shard, as_int32, jnp.int32, impl="hardware",
+                                interpret=True, global_shape=global_shape, shard_offset=offset_words(2**32))
+    tiles = [[as_int32(emulated_hardware_tile_bits(hardware_key, np.int32(2**22 + band * 8 + column)))
+              for column in range(8)] for band in range(8)]
+    np.testing.assert_array_equal(np.asarray(got), np.block(tiles).reshape(shard))

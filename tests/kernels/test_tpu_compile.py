@@ -120,6 +120,27 @@ def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
                                            jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
 
 
+# Shards of tensors of 2**32 elements and more, whose counters' high words the kernel computes,
+# compiled as one chip runs them: (global shape, shard shape) for a run of rows, a split along
+# columns (a row stride), a 3-D tensor's two last dims (the outer grid axis), and a row stride
+# of 2**30, where a chunk's offsets pass one word.
+PAST_2_32 = [((2**21, 4096), (1024, 4096)), ((2**21, 4096), (1024, 2048)), ((8, 2**18, 4096), (8, 512, 1024)),
+             ((16, 2**30), (16, 1024))]
+
+
+def test_dropout_shard_of_more_than_2_32_elements(generation):
+    for shape, shard in PAST_2_32:
+        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False)
+        compiles(kernel, KEY, jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shard, jnp.float32),
+                 generation=generation)
+
+
+def test_dropout_of_more_than_2_32_elements_whole():
+    # 2**32 + 2**15 float32 elements in and out: v5p's HBM (95 GiB) is the one that holds them.
+    compiles(functools.partial(dropout.dropout, p=0.3, interpret=False), KEY,
+             jax.ShapeDtypeStruct((2**20 + 8, 4096), jnp.float32), generation="v5p")
+
+
 # The hardware PRNG's shards are whole 8-row bands of the whole tensor's view: split rows
 # (over one mesh axis, over both), and the shared mask of a (T, B, F) tensor split over B.
 HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048), P(("data", "model"), None), False),
