@@ -202,7 +202,9 @@ def test_wide_arithmetic_is_64_bit_arithmetic():
         np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64),
                                       product.astype(np.uint64), err_msg=str(constant))
     y = rng.integers(0, 2**64, 1000, dtype=np.uint64)
-    words = lambda v: (jnp.asarray(v >> np.uint64(32), jnp.uint32), jnp.asarray(v & np.uint64(2**32 - 1), jnp.uint32))  # noqa: E731
+
+    def words(v):
+        return jnp.asarray(v >> np.uint64(32), jnp.uint32), jnp.asarray(v & np.uint64(2**32 - 1), jnp.uint32)
     high, low = prng.add_wide(words(x << np.uint64(20)), words(y))
     np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64),
                                   (x << np.uint64(20)) + y)
