@@ -3,6 +3,8 @@
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax._src import prng as jax_prng
+from jax._src.interpreters import mlir
 
 # Seeds with and without high bits: the high word must reach the key.
 SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
@@ -16,6 +18,31 @@ def key_data(seed: int) -> np.ndarray:
 def jax_key(seed: int):
     """``jax.random.key(seed)`` as it would be with x64 enabled."""
     return jax.random.wrap_key_data(jnp.asarray(key_data(seed).view(np.uint32)), impl="threefry2x32")
+
+
+def offset_words(flat_index: int) -> np.ndarray:
+    """A shard's offset as the kernels take it: int32 ``[high, low]`` words of the flat index."""
+    return np.array([flat_index >> 32, flat_index & 0xFFFFFFFF], np.uint32).view(np.int32)
+
+
+def jax_random_part(draw, key, part) -> np.ndarray:
+    """``draw(key)[part]``, where ``draw`` is a ``jax.random`` call over a whole tensor too large
+    to allocate (2**32 elements and more), computed at the sliced elements only.
+
+    On CPU, JAX lowers threefry as a rolled loop over whole arrays, so XLA would compute every
+    element; JAX's own unrolled lowering (the one it uses on TPU and GPU; the same function)
+    lets XLA fuse the slice into the draw. Raises AssertionError if XLA would still allocate
+    more than a MiB.
+    """
+    cpu_rules = mlir._platform_specific_lowerings["cpu"]
+    rolled = cpu_rules[jax_prng.threefry2x32_p]
+    mlir.register_lowering(jax_prng.threefry2x32_p, jax_prng._threefry2x32_lowering_rule, platform="cpu")
+    try:
+        compiled = jax.jit(lambda k: draw(k)[part]).lower(key).compile()
+    finally:
+        cpu_rules[jax_prng.threefry2x32_p] = rolled
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**20, "XLA would compute the whole tensor"
+    return np.asarray(compiled(key))
 
 
 def as_bits(array) -> np.ndarray:

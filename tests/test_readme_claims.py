@@ -5,6 +5,8 @@ README section instead (grep the suite for "README,")."""
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 import torch
 import torch_xla
@@ -12,9 +14,10 @@ import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint
 
 import torch_pallas
-from torch_pallas import bridge
-from torch_pallas.kernels import dropout as dropout_kernels
 from kernel_calls import record_dropout_keys
+from reference import jax_key, jax_random_part, key_data
+from torch_pallas import _checks, bridge, sharding
+from torch_pallas.kernels import dropout as dropout_kernels, sampling
 
 SHAPE = (8, 128)  # one shape for the whole file: every new shape is a new XLA compile
 
@@ -136,11 +139,22 @@ def test_limits_p_and_explicit_seed_under_compile_are_compiled_in():
     assert torch.equal(compiled(x, 2**40 + 2).cpu(), _seeded(x, 2**40 + 2).cpu())
 
 
-def test_limits_tensors_of_2_32_elements_are_rejected():
-    """README, Limits and behaviours to know: 2**32 elements or more are rejected (one uint32
-    counter word), before anything is allocated."""
-    with pytest.raises(ValueError, match=r"2\*\*32 or more elements"):
-        torch_pallas.random.uniform((2**16, 2**16), seed=0)
+def test_limits_tensors_of_2_32_elements_and_more_get_jax_random_noise():
+    """README, Limits and behaviours to know: no limit on the number of elements; an index of
+    2**32 or more uses the counter's high word, as jax.random does. Checked without allocating
+    such a tensor: the argument checks take its shape, a shard's offset reaches the kernel as
+    two words, and a shard past 2**32 draws jax.random's numbers (more in
+    tests/kernels/test_sampling.py)."""
+    shape = (2**18, 2**16)  # 2**34 elements
+    assert _checks.check_shape(shape) == shape
+    offsets = sharding.Sharding((4, 1), (0, 1, 2, 3)).shard_offsets(shape, torch.device("cpu"))
+    assert offsets.tolist() == [[[0, 0]], [[1, 0]], [[2, 0]], [[3, 0]]]  # [high, low] words: 0, 2**32, 2**33, 3 * 2**32
+    seed, shard = 5, (8, 2**16)
+    got = sampling.uniform(key_data(seed), shard, interpret=True, global_shape=shape,
+                           shard_offset=offsets[3, 0].numpy() + [0, 2**16])  # at row 3 * 2**16 + 1
+    expected = jax_random_part(lambda key: jax.random.uniform(key, shape), jax_key(seed),
+                               (slice(3 * 2**16 + 1, 3 * 2**16 + 9), slice(None)))
+    np.testing.assert_array_equal(np.asarray(got), expected)
 
 
 def test_two_commands_example_trains_a_small_mlp_with_torch_pallas_dropout(monkeypatch, capsys):

@@ -1,6 +1,6 @@
 """Argument checks of the public torch functions; each raises before any kernel runs.
 
-The rules shared with the kernels (choices, probabilities, the element limit) live in
+The rules shared with the kernels (choices, probabilities) live in
 :mod:`torch_pallas.kernels.arguments`, so every layer raises the same message.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from torch_pallas import bridge
 from torch_pallas.kernels import prng
-from torch_pallas.kernels.arguments import check_numel, check_probability  # noqa: F401  (check_probability: re-exported)
+from torch_pallas.kernels.arguments import check_probability  # noqa: F401  (re-exported)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # torch's dropout takes float64 too; its mask comes from the float32 kernel (ops/dropout.py).
@@ -31,9 +31,7 @@ def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
             raise TypeError(f"{name} must contain only ints, got {size!r} in {tuple(shape)}")
         if size < 0:
             raise ValueError(f"{name} must not contain negative sizes, got {tuple(shape)}")
-    shape = tuple(int(size) for size in shape)
-    check_numel(shape, name)
-    return shape
+    return tuple(int(size) for size in shape)
 
 
 def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:

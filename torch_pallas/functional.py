@@ -71,7 +71,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             ``p``, ``seed`` or ``generator`` has the wrong type.
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, a seed outside :math:`[0, 2^{64})`,
             both ``seed`` and ``generator``, an unknown ``impl``, ``impl="hardware"`` off
-            TPU, ``x`` neither on an XLA device nor on the CPU, 2**32 or more elements,
+            TPU, ``x`` neither on an XLA device nor on the CPU,
             ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
             sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
             with ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
@@ -127,7 +127,6 @@ def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input
         seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
         return x  # the identity, as torch's, for any device and dtype
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
-    _checks.check_numel(x.shape, "x")
     if p == 1.0:
         seeds.check_source(seed, generator)
         output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients

@@ -131,11 +131,12 @@ class Sharding:
         return tuple(size // tiles for size, tiles in zip(shape, self.tiles))
 
     def shard_offsets(self, shape: Sequence[int], device: torch.device, shared_over_first_dim: bool = False):
-        """int32 tensor of :attr:`mesh_shape`: at each device's place, the flat index in a
-        tensor of ``shape`` of its shard's first element (``shared_over_first_dim``: in
-        ``shape[1:]``). Computed on the device from an iota, so it is part of the graph,
-        not a constant: every shard runs the same program. Wraps modulo 2**32 as the
-        kernels read it (uint32)."""
+        """int32 tensor of shape :attr:`mesh_shape` + (2,): at each device's place, the high
+        and low words of the 64-bit flat index in a tensor of ``shape`` of its shard's first
+        element (``shared_over_first_dim``: in ``shape[1:]``), as the kernels read them
+        (``[high, low]``, each reinterpreted as uint32). Computed on the device from an
+        iota, so it is part of the graph, not a constant: every shard runs the same
+        program."""
         local = self.shard_shape(shape)
         position = torch.arange(math.prod(self.mesh_shape), dtype=torch.int64, device=device)
         offsets = torch.zeros_like(position)
@@ -144,8 +145,9 @@ class Sharding:
                 continue
             index = position // math.prod(self.mesh_shape[dim + 1:]) % tiles
             offsets = offsets + index * (local[dim] * math.prod(shape[dim + 1:]))
-        offsets = torch.where(offsets >= 2**31, offsets - 2**32, offsets)
-        return offsets.to(torch.int32).reshape(self.mesh_shape)
+        words = torch.stack([offsets >> 32, offsets & 0xFFFFFFFF], dim=-1)
+        words = torch.where(words >= 2**31, words - 2**32, words)
+        return words.to(torch.int32).reshape(*self.mesh_shape, 2)
 
 
 def check_kernel_can_follow(sharding: Sharding, shape: Sequence[int], name: str, impl: str,
@@ -266,8 +268,8 @@ def _enter(tensor: torch.Tensor, dims: tuple, sharding_text: str) -> torch.Tenso
 
 
 def _with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
-    """``kernel`` on one shard: the offsets tensor arrives as each device's own (1, ..., 1) element."""
-    return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(1), **static)
+    """``kernel`` on one shard: the offsets tensor arrives as each device's own (1, ..., 1, 2) words."""
+    return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(2), **static)
 
 
 def call(jax_function, sharding_text: str, tensors: Sequence[torch.Tensor], in_dims: Sequence[tuple],
@@ -286,7 +288,7 @@ def call(jax_function, sharding_text: str, tensors: Sequence[torch.Tensor], in_d
     if noise_shape is not None:
         key_data, *rest = local
         offsets = sharding.shard_offsets(noise_shape, key_data.device, static.get("shared_over_first_dim", False))
-        offsets = _enter(offsets, tuple(range(len(sharding.mesh_shape))), sharding_text)
+        offsets = _enter(offsets, (*range(len(sharding.mesh_shape)), None), sharding_text)
         local = [key_data, offsets, *rest]
         static = dict(static, kernel=jax_function, global_shape=tuple(noise_shape))
         jax_function = _with_shard_offset

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import SEEDS, jax_key, key_data, ulp_distance
+from reference import SEEDS, jax_key, jax_random_part, key_data, offset_words, ulp_distance
 from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
@@ -56,3 +56,27 @@ def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shape))
     tiled = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True, blocks=Blocks(6, 256))
     np.testing.assert_array_equal(np.asarray(tiled), np.asarray(y))
+
+
+# Shards of tensors of 2**32 elements and more (2**32 is row 2**19 of 8192-wide rows): (global
+# shape, shard shape, the shard's first element, a mask shared over the first dim).
+BEYOND_2_32 = {
+    "across": ((2**19 + 8, 8192), (8, 8192), (2**19 - 4, 0), False),
+    "shared mask across": ((3, 2**19 + 8, 8192), (3, 8, 8192), (0, 2**19 - 4, 0), True),
+    "shared mask, columns": ((3, 2**19 + 8, 8192), (3, 16, 1024), (0, 2**19 - 8, 4096), True),
+}
+dropout_shard = jax.jit(dropout_kernels.dropout, static_argnames=(
+    "p", "interpret", "shared_over_first_dim", "global_shape"))
+
+
+@pytest.mark.parametrize("case", list(BEYOND_2_32))
+def test_mask_of_a_shard_past_2_32_elements_is_jax_bernoulli(case):
+    global_shape, shard, start, shared = BEYOND_2_32[case]
+    seed, p = SEEDS[3], 0.3
+    mask_shape, mask_start = (global_shape[1:], start[1:]) if shared else (global_shape, start)
+    flat_index = sum(s * int(np.prod(mask_shape[d + 1:])) for d, s in enumerate(mask_start))
+    y = dropout_shard(key_data(seed), jnp.ones(shard, jnp.float32), p=p, interpret=True, shared_over_first_dim=shared,
+                      global_shape=global_shape, shard_offset=offset_words(flat_index))
+    part = tuple(slice(s, s + size) for s, size in zip(mask_start, shard[len(shard) - len(mask_shape):]))
+    keep = jax_random_part(lambda key: jax.random.bernoulli(key, 1 - p, mask_shape), jax_key(seed), part)
+    np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shard))

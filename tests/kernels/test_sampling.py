@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import SEEDS, as_bits, jax_key, key_data, ulp_distance
-from torch_pallas.kernels import elementwise, prng, sampling
+from reference import SEEDS, as_bits, jax_key, jax_random_part, key_data, offset_words, ulp_distance
+from torch_pallas.kernels import elementwise, prng, sampling, tiling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 # (shape, block shapes to try). Blocks that do not divide the 2-D view are included: Pallas
@@ -105,8 +105,8 @@ def test_bad_arguments_raise():
         sampling.uniform(key_data(0), (64, 1024), interpret=False, blocks=Blocks(3, 100))
     with pytest.raises(ValueError, match="Mosaic"):  # the same rule in interpret mode
         sampling.uniform(key_data(0), (64, 1024), interpret=True, blocks=Blocks(3, 100))
-    with pytest.raises(ValueError, match="2\\*\\*32"):
-        sampling.uniform(key_data(0), (2**16, 2**16), interpret=True)
+    with pytest.raises(ValueError, match="1x2147483649 matrix.*int32"):  # README, Limits and behaviours to know
+        sampling.uniform(key_data(0), (2**31 + 1,), interpret=True)
 
 
 # A shard of a sharded tensor: (global shape, shards per dim, blocks). Split rows (one
@@ -128,7 +128,7 @@ def shards(global_shape, tiles, shared_over_first_dim=False):
         strides[0] = 0
     for index in np.ndindex(*tiles):
         start = [i * size for i, size in zip(index, shard)]
-        offset = np.array([sum(s * stride for s, stride in zip(start, strides))], np.int32)
+        offset = offset_words(sum(s * stride for s, stride in zip(start, strides)))
         yield index, shard, offset, tuple(slice(s, s + size) for s, size in zip(start, shard))
 
 
@@ -140,6 +140,74 @@ def test_every_shard_holds_its_part_of_the_unsharded_numbers(global_shape, tiles
         got = sample_shard(key_data(seed), shape=shard, distribution="uniform", interpret=True, blocks=blocks,
                            global_shape=global_shape, shard_offset=offset)
         np.testing.assert_array_equal(as_bits(got), as_bits(expected[part]), err_msg=str(index))
+
+
+def part_of(start, shard):
+    return tuple(slice(s, s + size) for s, size in zip(start, shard))
+
+
+def flat_index(start, global_shape):
+    return sum(s * int(np.prod(global_shape[d + 1:])) for d, s in enumerate(start))
+
+
+# Shards of tensors of 2**32 elements and more, whose indices need the counter's high word:
+# (global shape, shard shape, the shard's first element, blocks). A (2**19 + 8, 8192) tensor
+# has 2**32 + 2**16 elements, 2**32 being row 2**19.
+BEYOND_2_32 = {
+    "just below": ((2**19 + 8, 8192), (8, 8192), (2**19 - 8, 0), None),
+    "across": ((2**19 + 8, 8192), (8, 8192), (2**19 - 4, 0), Blocks(8, 1024)),
+    "past": ((2**19 + 8, 8192), (8, 8192), (2**19, 0), None),
+    "past 2**33": ((2**20 + 16, 8192), (8, 8192), (2**20 + 4, 0), None),
+    # A split along columns (a row stride): rows below and past 2**32 in one block.
+    "columns across": ((2**19 + 8, 8192), (16, 1024), (2**19 - 8, 2048), None),
+    # Three dims (the kernel's outer grid axis), the outer stride carrying past 2**32.
+    "outer axis": ((5, 2**18, 4096), (5, 8, 1024), (0, 2**18 - 8, 1024), Blocks(8, 512, True)),
+    # Offsets within one block too large for one word: a row stride of 2**30, and of 2**32 + 128.
+    "wide block": ((16, 2**30), (16, 256), (0, 2**30 - 256), None),
+    "row stride past 2**32": ((4, 2**32 + 128), (4, 256), (0, 2**32 - 128), None),
+}
+sample_beyond = jax.jit(sampling.sample, static_argnames=(
+    "shape", "distribution", "dtype", "p", "interpret", "blocks", "global_shape"))
+
+
+@pytest.mark.parametrize("case", list(BEYOND_2_32))
+def test_shards_past_2_32_elements_hold_jax_random_numbers(case):
+    global_shape, shard, start, blocks = BEYOND_2_32[case]
+    seed, offset = SEEDS[2], offset_words(flat_index(start, global_shape))
+    for distribution, dtype in [("uniform", jnp.float32), ("uniform", jnp.bfloat16), ("bernoulli", jnp.float32)]:
+        got = sample_beyond(key_data(seed), shape=shard, distribution=distribution, dtype=dtype, p=0.3,
+                            interpret=True, blocks=blocks, global_shape=global_shape, shard_offset=offset)
+        if distribution == "uniform":
+            draw = lambda key: jax.random.uniform(key, global_shape, dtype)  # noqa: E731
+        else:
+            draw = lambda key: jax.random.bernoulli(key, 0.3, global_shape)  # noqa: E731
+        expected = jax_random_part(draw, jax_key(seed), part_of(start, shard))
+        np.testing.assert_array_equal(as_bits(got), as_bits(expected), err_msg=f"{distribution} {dtype.__name__}")
+
+
+def test_jax_random_part_is_jax_random():
+    # The reference above: jax.random itself, computed only where sliced.
+    key, part = jax_key(SEEDS[3]), (slice(5, 9), slice(250, 300))
+    for draw in (lambda k: jax.random.uniform(k, (20, 300), jnp.bfloat16), lambda k: jax.random.bits(k, (20, 300))):
+        np.testing.assert_array_equal(as_bits(jax_random_part(draw, key, part)), as_bits(draw(key)[part]))
+
+
+def test_wide_arithmetic_is_64_bit_arithmetic():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2**32, 1000, dtype=np.uint64)
+    x[:4] = [0, 1, 2**32 - 1, 2**31]
+    for constant in (0, 1, 3, 4096, 0xFFFF, 0x10001, 2**31 + 11, 2**32 - 1, 2**32, 2**32 + 128, 2**64 - 1):
+        high, low = prng.multiply_wide(jnp.asarray(x, jnp.uint32), constant)
+        product = x.astype(object) * constant % 2**64
+        np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64),
+                                      product.astype(np.uint64), err_msg=str(constant))
+    y = rng.integers(0, 2**64, 1000, dtype=np.uint64)
+
+    def words(v):
+        return jnp.asarray(v >> np.uint64(32), jnp.uint32), jnp.asarray(v & np.uint64(2**32 - 1), jnp.uint32)
+    high, low = prng.add_wide(words(x << np.uint64(20)), words(y))
+    np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64),
+                                  (x << np.uint64(20)) + y)
 
 
 def test_index_dims_merge_what_a_stride_allows():
@@ -156,7 +224,7 @@ def test_shards_the_kernel_cannot_follow_are_refused():
     # Three split dims besides the first need four strides.
     with pytest.raises(ValueError, match="at most two split dims"):
         sampling.uniform(key_data(0), (2, 2, 2, 128), interpret=True, global_shape=(2, 4, 4, 256),
-                         shard_offset=np.zeros(1, np.int32))
+                         shard_offset=np.zeros(2, np.int32))
 
 
 def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
@@ -228,3 +296,34 @@ def test_hardware_blocks_that_are_not_whole_seed_tiles_are_refused():
     with pytest.raises(ValueError, match=r"whole \(64, 1024\) tiles for impl='hardware'"):
         elementwise.noise_map(jnp.asarray(key_data(0)), (256, 1024), as_int32, jnp.int32, impl="hardware",
                               interpret=False, blocks=Blocks(8, 128))
+
+
+@pytest.mark.parametrize("global_cols,one_row", [(1024, False), (200, False), (384, False), (3 * 2**30, False),
+                                                 (1024, True), (2**32 + 1024, True)])
+def test_first_tile_of_a_shard_is_its_tile_index_past_2_32_elements(global_cols, one_row):
+    # A shard starts a whole band of the view (one-row view: a whole tile); the tile index
+    # wraps modulo 2**32 as the int32 arithmetic of JAX's sample_block does. (8, 128) seed
+    # tiles: the band's odd factors are what the exact division has to handle.
+    step = tiling.LANES if one_row else global_cols * tiling.SUBLANES
+    tiles_per_band = -(-global_cols // tiling.LANES)
+    for multiple in (0, 1, 5, 2**20 + 3, 2**25 + 7, 2**31 - 1, 2**33 + 1):
+        offset = multiple * step
+        if offset >= 2**64:
+            continue
+        expected = (offset // tiling.LANES if one_row else multiple * tiles_per_band) % 2**32
+        got = elementwise._first_tile(jnp.asarray(offset_words(offset)), global_cols, one_row, tiling.TILE)
+        assert int(np.asarray(got).view(np.uint32)[0]) == expected, offset
+
+
+def test_hardware_shard_past_2_32_elements_draws_its_tiles(emulated_hardware_prng):
+    # (2**19 + 16, 8192) is viewed as (2**22 + 128, 1024) in (64, 1024) seed tiles: the shards at
+    # rows 2**19 and 2**19 + 8 (elements 2**32 and 2**32 + 2**16) are view rows 2**22 on, one
+    # tile each, numbered 2**16 and 2**16 + 1.
+    global_shape, shard = (2**19 + 16, 8192), (8, 8192)
+    hardware_key = prng.hardware_key_data(jnp.asarray(key_data(5)))
+    for tile in range(2):
+        got = elementwise.noise_map(jnp.asarray(key_data(5)), shard, as_int32, jnp.int32, impl="hardware",
+                                    interpret=True, global_shape=global_shape,
+                                    shard_offset=offset_words(2**32 + tile * 2**16))
+        bits = emulated_hardware_tile_bits(hardware_key, np.int32(2**16 + tile), (64, 1024))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(as_int32(bits)).reshape(shard))

@@ -98,8 +98,12 @@ def test_dropout(generation, impl, dtype, shared_over_first_dim):
                  jax.ShapeDtypeStruct(ELEMENTWISE_SHAPES["large"], DTYPES[dtype]), generation=generation)
 
 
+# Each chip's shard offset: the [high, low] words of its first element's flat index.
+OFFSETS_SPEC = P("data", "model", None)
+
+
 def _dropout_on_shard(key_data, offsets, x, *, global_shape, **options):
-    return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(1), **options)
+    return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(2), **options)
 
 
 # (global shape, partition spec): split rows, split columns, both, and a 3-D tensor split
@@ -110,13 +114,34 @@ SHARDED_NOISE = [((1024, 2048), P("data", None)), ((1024, 2048), P(None, "model"
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
-    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec in SHARDED_NOISE:
         for shared in (False, True):
             kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False,
                                        shared_over_first_dim=shared)
-            assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+            assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                            jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
+
+
+# Shards of tensors of 2**32 elements and more, whose counters' high words the kernel computes,
+# compiled as one chip runs them: (global shape, shard shape) for a run of rows, a split along
+# columns (a row stride), a 3-D tensor's two last dims (the outer grid axis), and a row stride
+# of 2**30, where a chunk's offsets pass one word.
+PAST_2_32 = [((2**21, 4096), (1024, 4096)), ((2**21, 4096), (1024, 2048)), ((8, 2**18, 4096), (8, 512, 1024)),
+             ((16, 2**30), (16, 1024))]
+
+
+def test_dropout_shard_of_more_than_2_32_elements(generation):
+    for shape, shard in PAST_2_32:
+        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False)
+        compiles(kernel, KEY, jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shard, jnp.float32),
+                 generation=generation)
+
+
+def test_dropout_of_more_than_2_32_elements_whole():
+    # 2**32 + 2**15 float32 elements in and out: v5p's HBM (95 GiB) is the one that holds them.
+    compiles(functools.partial(dropout.dropout, p=0.3, interpret=False), KEY,
+             jax.ShapeDtypeStruct((2**20 + 8, 4096), jnp.float32), generation="v5p")
 
 
 # The hardware PRNG's shards are whole bands of seed tiles of the whole tensor's view (here
@@ -127,11 +152,11 @@ HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048),
 
 
 def test_hardware_dropout_per_shard_on_a_2x2_topology(generation):
-    offsets = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec, shared in HARDWARE_SHARDED_NOISE:
         kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False, impl="hardware",
                                    shared_over_first_dim=shared)
-        assert compile_sharded_for_tpu(kernel, (P(), P("data", "model"), spec), spec, KEY, offsets,
+        assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                        jax.ShapeDtypeStruct(shape, jnp.float32), generation=generation)
 
 

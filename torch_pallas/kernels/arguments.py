@@ -3,11 +3,7 @@ rule and one message per argument, wherever it is checked."""
 
 from __future__ import annotations
 
-import math
 import numbers
-
-# Flat element indices are the uint32 counters of the threefry noise.
-MAX_ELEMENTS = 2**32 - 1
 
 
 def check_one_of(name: str, value, accepted: tuple):
@@ -26,11 +22,3 @@ def check_probability(p, name: str = "p") -> float:
         raise ValueError(f"{name} must be in [0, 1], got {p}")
     return p
 
-
-def check_numel(shape, name: str = "shape") -> int:
-    """The number of elements of ``shape``; a ValueError from 2**32 on."""
-    numel = math.prod(shape)
-    if numel > MAX_ELEMENTS:
-        raise ValueError(f"{name} {tuple(shape)} has 2**32 or more elements, which torch_pallas does not support "
-                         "(the noise counter is one 32-bit word)")
-    return numel

@@ -36,7 +36,7 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
 
     Args:
         key_data: int32 (2,) threefry key words (see :mod:`torch_pallas.seeds`).
-        x: float32, bfloat16 or float16 array of any shape (fewer than 2**32 elements).
+        x: float32, bfloat16 or float16 array of any shape.
         p: drop probability in [0, 1]. The keep threshold is ``float32(1 - p)``, as
             ``jax.random.bernoulli(key, 1 - p)`` computes it.
         impl, interpret, blocks: see :func:`elementwise.noise_map`.
@@ -54,7 +54,6 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
         ValueError: ``p`` outside [0, 1], and the errors of :func:`elementwise.noise_map`.
     """
     p = arguments.check_probability(p)
-    arguments.check_numel(x.shape, "x.shape")
     if x.size == 0:
         return x
     if x.dtype == jnp.float16:

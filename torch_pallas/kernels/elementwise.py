@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import prng, tiling
 
 
-def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded,
+def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
                   chunk_shape, column_major_grid):
     offset_ref, refs = (refs[0], refs[1:]) if sharded else (None, refs)
     out_ref = refs[-1]
@@ -32,10 +32,19 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
     if sharded:
         # A shard of a larger tensor: the global index of its first element (hardware: of
         # its first tile) arrives as data, so one compiled kernel serves every shard.
-        base = offset_ref[0] if impl == prng.HARDWARE else offset_ref[0].astype(jnp.uint32)
+        if impl == prng.HARDWARE:
+            base = offset_ref[0]
+        elif wide:
+            base = (offset_ref[0].astype(jnp.uint32), offset_ref[1].astype(jnp.uint32))
+        else:
+            base = offset_ref[1].astype(jnp.uint32)  # the high word is 0
     if outer_stride is not None:
         # The outer grid axis walks a dim of the shard that the 2-D view cannot fold in.
-        base = base + pl.program_id(0).astype(jnp.uint32) * np.uint32(outer_stride)
+        outer = pl.program_id(0).astype(jnp.uint32)
+        if wide:
+            base = prng.add_wide(base, prng.multiply_wide(outer, outer_stride))
+        else:
+            base = base + outer * np.uint32(outer_stride)
     first_axis = 0 if outer_stride is None else 1
     block_row, block_col = pl.program_id(first_axis), pl.program_id(first_axis + 1)
     if column_major_grid:
@@ -50,11 +59,11 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
             # (one seed tile, whose first row it is, for the hardware PRNG).
             drawn_rows = chunk_rows if impl == prng.HARDWARE else 1
             bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
-                                   view_cols, base)
+                                   view_cols, base, wide)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
         else:
             bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset,
-                                   row_stride, base)
+                                   row_stride, base, wide)
         if operand_ref is None:
             out_ref[rows, cols] = transform(bits)
         else:
@@ -153,19 +162,34 @@ def hardware_view(shape, global_shape, shared_over_first_dim: bool = False
     return rows, cols, shared_row, global_cols, seed_tile
 
 
-def _first_tile(shard_offset: jax.Array, global_cols: int, seed_tile: tuple[int, int]) -> jax.Array:
+def index_count(global_shape, shared_over_first_dim: bool = False) -> int:
+    """How many flat indices the noise of a tensor of ``global_shape`` uses: its elements, or
+    with ``shared_over_first_dim`` those of ``global_shape[1:]``."""
+    return math.prod(global_shape[1:] if shared_over_first_dim else global_shape)
+
+
+def _first_tile(shard_offset: jax.Array, global_cols: int, one_row: bool, seed_tile: tuple[int, int]) -> jax.Array:
     """int32 (1,): the index of a shard's first seed tile in the whole tensor's view (see
-    :func:`hardware_view`), from the flat index of its first element."""
-    offset = lax.bitcast_convert_type(shard_offset, jnp.uint32)
+    :func:`hardware_view`), from the 64-bit flat index of its first element, an int32 (2,)
+    ``[high, low]``. The shard starts a whole tile of a one-row view, else a whole band of
+    ``global_cols * seed_tile[0]`` elements, so the quotients are exact: they come from shifts and,
+    for a band's odd factor, a multiplication by its inverse modulo 2**32 (Mosaic and XLA
+    on TPU have no 64-bit integers; the tile index itself fits one word, and wraps as the
+    int32 arithmetic of JAX's ``sample_block`` does)."""
+    high, low = lax.bitcast_convert_type(shard_offset, jnp.uint32)
     tile_rows, tile_cols = seed_tile
-    band = global_cols * tile_rows
-    tiles_per_band = tiling.round_up(global_cols, tile_cols) // tile_cols
-    if band >= 2**32:  # a one-row view: every offset lies in its first band
-        first = offset // np.uint32(tile_cols)
+    divisor = tile_cols if one_row else global_cols * tile_rows
+    shift = (divisor & -divisor).bit_length() - 1
+    odd = divisor >> shift
+    # The low word of offset >> shift.
+    if shift < 32:
+        shifted = low >> np.uint32(shift) | high << np.uint32(32 - shift) if shift else low
     else:
-        first = (offset // np.uint32(band) * np.uint32(tiles_per_band)
-                 + offset % np.uint32(band) // np.uint32(tile_cols))
-    return lax.bitcast_convert_type(first, jnp.int32)
+        shifted = high >> np.uint32(shift - 32)
+    first = shifted * np.uint32(pow(odd, -1, 2**32))
+    if not one_row:
+        first = first * np.uint32(tiling.round_up(global_cols, tile_cols) // tile_cols)
+    return lax.bitcast_convert_type(first, jnp.int32).reshape(1)
 
 
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
@@ -189,22 +213,29 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         shared_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
             of shape ``shape[1:]`` (for example one dropout mask per sequence, shared over
             time).
-        global_shape: the whole tensor's shape (fewer than 2**32 elements) when ``shape``
-            is a shard of it; default ``shape``.
-        shard_offset: with ``global_shape``, an int32 (1,) array: the flat index in the
-            whole tensor of the shard's first element (with ``shared_over_first_dim``,
-            of its first element along the other dims). Data, not a static value: every
-            shard runs the same compiled kernel.
+        global_shape: the whole tensor's shape when ``shape`` is a shard of it; default
+            ``shape``.
+        shard_offset: with ``global_shape``, an int32 (2,) array ``[high, low]``: the
+            words of the 64-bit flat index in the whole tensor of the shard's first element
+            (with ``shared_over_first_dim``, of its first element along the other dims).
+            Data, not a static value: every shard runs the same compiled kernel.
 
     Raises:
         ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard
             that is not whole tiles of the whole tensor's view (:func:`hardware_view`), a
-            shard that is split along more than two dims besides the first, or blocks
-            that :func:`tiling.resolve_elementwise` rejects.
+            shard that is split along more than two dims besides the first, a
+            ``shard_offset`` of another shape, a 2-D view with a dim of 2**31 or more
+            (Pallas numbers blocks with int32), or blocks that
+            :func:`tiling.resolve_elementwise` rejects.
     """
     prng.check_can_run(impl, interpret)
     hardware = impl == prng.HARDWARE
     sharded = global_shape is not None
+    if sharded and tuple(shard_offset.shape) != (2,):
+        raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
+                         f"got {tuple(shard_offset.shape)}")
+    # The counters' high words are 0 unless an index reaches 2**32: then they are computed.
+    wide = not hardware and index_count(global_shape if sharded else shape, shared_over_first_dim) > 2**32
     outer, outer_stride = 1, None
     seed_tile = None
     if hardware:
@@ -216,7 +247,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         view_cols = tiling.round_up(cols, seed_tile[1])
         row_stride = 0 if shared_row else view_cols
         if sharded:
-            shard_offset = _first_tile(shard_offset, global_cols, seed_tile)
+            shard_offset = _first_tile(shard_offset, global_cols,
+                                       index_count(global_shape, shared_over_first_dim) == global_cols, seed_tile)
     else:
         dims = check_index_dims(shape, global_shape if sharded else shape, shared_over_first_dim)
         if len(dims) == 3:
@@ -228,6 +260,10 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         else:
             (rows, row_stride), (cols, _) = dims[-2:]
         view_rows, view_cols = rows, cols
+    if max(outer, view_rows, view_cols) >= 2**31:
+        raise ValueError(f"a tensor of shape {tuple(shape)} is seen as a {view_rows}x{view_cols} matrix"
+                         f"{f' {outer} times' if outer > 1 else ''}, and Pallas numbers the blocks along a dim "
+                         "with int32: a dim of 2**31 or more is not supported")
     itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
                                         seed_tile=seed_tile)
@@ -257,7 +293,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         operands.append(operand)
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
-        outer_stride=outer_stride, sharded=sharded, column_major_grid=blocks.column_major_grid,
+        outer_stride=outer_stride, sharded=sharded, wide=wide, column_major_grid=blocks.column_major_grid,
         chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, seed_tile=seed_tile))
     out = pl.pallas_call(
         kernel,

@@ -7,8 +7,10 @@ Two generators, chosen by ``impl``:
     uint32 ``jnp`` operations so it lowers on Mosaic (TPU), in interpret mode (CPU) and on
     Triton (GPU). Element ``i`` of a tensor of shape ``S`` gets exactly the bits that
     ``jax.random`` gives it with ``jax_threefry_partitionable`` (JAX's default): the two
-    threefry output words of the counter ``(0, i)``, xor-ed. A block at any offset can
-    therefore compute its part of the global noise, whatever the block size or grid order.
+    threefry output words of the counter ``(i >> 32, i & 0xFFFFFFFF)`` (the 64-bit index as
+    two words), xor-ed. A block at any offset can therefore compute its part of the global
+    noise, whatever the block size or grid order. Mosaic has no 64-bit integers, so indices
+    past 2**32 are carried in uint32 word pairs (:func:`block_counter`).
 
 ``"hardware"``
     The TPU's hardware PRNG, reseeded for every tile of the 2-D view (up to (64, 1024):
@@ -89,14 +91,48 @@ def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
     return x0, x1
 
 
-def threefry_bits(k0, k1, flat_index: jax.Array) -> jax.Array:
+def threefry_bits(k0, k1, low_word: jax.Array, high_word: jax.Array | None = None) -> jax.Array:
     """32 random bits per element, bit-identical to partitionable ``jax.random.bits``.
 
-    ``flat_index`` holds each element's uint32 row-major index in the whole tensor; the high
-    counter word is zero because tensors are limited to fewer than 2**32 elements.
+    The counter of element ``i`` is its 64-bit row-major index in the whole tensor, as the
+    uint32 words ``high_word`` (``i >> 32``; ``None`` where it is 0 for every element, as in
+    any tensor of at most 2**32 elements) and ``low_word`` (``i & 0xFFFFFFFF``).
     """
-    y0, y1 = threefry2x32(k0, k1, jnp.zeros_like(flat_index), flat_index)
+    y0, y1 = threefry2x32(k0, k1, jnp.zeros_like(low_word) if high_word is None else high_word, low_word)
     return y0 ^ y1
+
+
+def add_wide(a, b) -> tuple[jax.Array, jax.Array]:
+    """``a + b`` modulo 2**64 for (high, low) pairs of uint32 words (scalars or arrays)."""
+    low = a[1] + b[1]
+    high = a[0] + b[0]
+    # Unsigned wrap-around: the low sum is below an addend exactly when it carried.
+    return jnp.where(low < a[1], high + np.uint32(1), high), low
+
+
+def multiply_wide(x: jax.Array, constant: int) -> tuple[jax.Array, jax.Array]:
+    """(high, low) words of ``x * constant`` modulo 2**64, for uint32 ``x`` (scalar or array)
+    and a static ``constant`` in [0, 2**64)."""
+    constant_low, constant_high = constant & 0xFFFFFFFF, constant >> 32 & 0xFFFFFFFF
+    high = _multiply_high(x, constant_low)
+    if constant_high:
+        high = high + x * np.uint32(constant_high)
+    return high, x * np.uint32(constant_low)
+
+
+def _multiply_high(x: jax.Array, constant: int) -> jax.Array:
+    """The high word of the 64-bit product of uint32 ``x`` and a static ``constant`` below
+    2**32, from 16-bit halves whose products fit one word (Mosaic has no 64-bit integers)."""
+    if constant & (constant - 1) == 0:  # 0 or a power of two: a shift
+        shift = constant.bit_length() - 1
+        return x >> np.uint32(32 - shift) if shift > 0 else jnp.zeros_like(x)
+    half = np.uint32(0xFFFF)
+    x_low, x_high = x & half, x >> np.uint32(16)
+    c_low, c_high = np.uint32(constant & 0xFFFF), np.uint32(constant >> 16)
+    low_high, high_low = x_low * c_high, x_high * c_low
+    middle = (x_low * c_low >> np.uint32(16)) + (low_high & half) + (high_low & half)
+    return (x_high * c_high + (low_high >> np.uint32(16)) + (high_low >> np.uint32(16))
+            + (middle >> np.uint32(16)))
 
 
 def fold_in(key_data: jax.Array, data: int) -> jax.Array:
@@ -110,13 +146,36 @@ def fold_in(key_data: jax.Array, data: int) -> jax.Array:
 def block_flat_index(chunk_shape: tuple[int, int], row0, col0, row_stride: int, base=None) -> jax.Array:
     """uint32 global flat indices of a (rows, cols) block at (row0, col0) of a 2-D view whose
     rows are ``row_stride`` apart (its width, for a whole tensor) and whose element (0, 0)
-    has index ``base`` (a uint32 scalar; ``None``: 0)."""
+    has index ``base`` (a uint32 scalar; ``None``: 0). Every index below 2**32."""
     rows = lax.broadcasted_iota(jnp.uint32, chunk_shape, 0) + lax.convert_element_type(row0, jnp.uint32)
     cols = lax.broadcasted_iota(jnp.uint32, chunk_shape, 1) + lax.convert_element_type(col0, jnp.uint32)
     if base is not None:
         # Added to the scalar first: one vector add.
         cols = cols + base
     return rows * np.uint32(row_stride) + cols
+
+
+def block_counter(chunk_shape: tuple[int, int], row0, col0, row_stride: int,
+                  base=None) -> tuple[jax.Array, jax.Array]:
+    """(high, low) uint32 words of the 64-bit global flat indices of a block, for indices that
+    may reach 2**32: :func:`block_flat_index` with ``row_stride`` any static int below
+    2**64 and ``base`` a (high, low) pair of uint32 scalars (``None``: 0).
+
+    The block's first index is computed in scalar word pairs; the offsets within the block
+    are one uint32 vector when they fit one word (then the carry into the high word is one
+    compare), else word pairs too.
+    """
+    origin = add_wide(multiply_wide(lax.convert_element_type(row0, jnp.uint32), row_stride),
+                      (np.uint32(0), lax.convert_element_type(col0, jnp.uint32)))
+    if base is not None:
+        origin = add_wide(origin, base)
+    rows = lax.broadcasted_iota(jnp.uint32, chunk_shape, 0)
+    cols = lax.broadcasted_iota(jnp.uint32, chunk_shape, 1)
+    if chunk_shape[0] == 1:
+        return add_wide(origin, (np.uint32(0), cols))
+    if (chunk_shape[0] - 1) * row_stride + chunk_shape[1] - 1 < 2**32:
+        return add_wide(origin, (np.uint32(0), rows * np.uint32(row_stride) + cols))
+    return add_wide(origin, add_wide(multiply_wide(rows, row_stride), (jnp.zeros_like(cols), cols)))
 
 
 def hardware_key_data(key_data: jax.Array) -> jax.Array:
@@ -149,16 +208,21 @@ def hardware_tile_bits(hardware_key_ref, tile_index, tile: tuple[int, int]) -> j
     return pltpu.bitcast(pltpu.prng_random_bits(tile), jnp.uint32)
 
 
-def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None) -> jax.Array:
+def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None,
+               wide: bool = False) -> jax.Array:
     """uint32 random bits for the (rows, cols) chunk at position (row0, col0) of a 2-D view.
 
-    ``row_stride`` and ``base``: see :func:`block_flat_index`. For ``impl="hardware"`` the
-    view is padded to whole tiles, ``row_stride`` its width, the chunk one tile (the seed
-    tile) at a tile's position, ``base`` (int32) the index of the view's first tile in the
-    whole tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`.
+    ``row_stride`` and ``base``: see :func:`block_flat_index`, or with ``wide`` (a tensor
+    whose indices reach 2**32) :func:`block_counter`. For ``impl="hardware"`` the view is
+    padded to whole tiles, ``row_stride`` its width, the chunk one tile (the seed tile) at a
+    tile's position, ``base`` (int32) the index of the view's first tile in the whole
+    tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`.
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
+        if wide:
+            high, low = block_counter(chunk_shape, row0, col0, row_stride, base)
+            return threefry_bits(k0, k1, low, high)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, row_stride, base))
     index = tile_index(row0, col0, row_stride, chunk_shape)
     return hardware_tile_bits(key_data_ref, index if base is None else index + base, chunk_shape)

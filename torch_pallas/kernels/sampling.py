@@ -9,6 +9,7 @@ for every block made of whole tiles.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import jax
@@ -50,13 +51,13 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
 
     Raises:
         ValueError: unknown distribution or impl, ``impl="hardware"`` in interpret mode,
-            blocks Mosaic would reject, or a tensor of 2**32 or more elements.
+            blocks Mosaic would reject, or a shard the kernel cannot follow
+            (:func:`elementwise.noise_map`).
     """
     check_distribution(distribution)
     shape = tuple(shape)
-    numel = arguments.check_numel(shape)
     out_dtype = jnp.bool_ if distribution == "bernoulli" else jnp.dtype(dtype)
-    if numel == 0:
+    if math.prod(shape) == 0:
         return jnp.zeros(shape, out_dtype)
 
     float16 = out_dtype == jnp.float16
