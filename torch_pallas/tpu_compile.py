@@ -98,11 +98,13 @@ def compile_sharded_for_tpu(function, in_specs, out_specs, *args: jax.ShapeDtype
 class GraphCompilation:
     """What libtpu's compiler reports for one graph on one TPU of ``generation``.
 
-    Memory is per chip, in bytes, from the executable's ``get_compiled_memory_stats()``:
-    ``peak_bytes`` is the compiler's peak HBM use of the program (its arguments, outputs and
-    temporaries live at once); ``temp_bytes`` the temporaries' buffers (activations kept for
-    the backward pass among them). ``cost`` is ``cost_analysis()`` as libtpu gives it
-    (``"flops"``, ``"bytes accessed"``, ``"transcendentals"``, per-operand entries).
+    Memory is per chip, in bytes, as the executable's ``get_compiled_memory_stats()`` gives
+    it: ``peak_bytes`` is its ``peak_memory_in_bytes`` (libtpu's peak of HBM in use);
+    ``temp_bytes`` the temporaries' allocation as buffer assignment sizes it (activations kept
+    for the backward pass among them), which is not a part of the peak: on some generations
+    it exceeds it, and it was 0 for small graphs. ``cost`` is ``cost_analysis()`` as libtpu
+    gives it (``"flops"``, ``"bytes accessed"``, ``"transcendentals"``, per-operand entries).
+    Compiler estimates, not measurements.
     """
 
     generation: str
