@@ -5,10 +5,16 @@ tensors go into the lazy XLA graph through ``call_jax``; tensors on a device JAX
 (the CPU) go to JAX through DLPack and the same kernels run there. It
 decides, from the device, whether Pallas kernels run compiled (TPU) or in interpret mode
 (any other device), and which noise generator is the default there.
+
+Under :func:`lowering_for_tpu` (or ``TORCH_PALLAS_LOWER_FOR_TPU=1``) the kernels enter the
+lazy graph as TPU (Mosaic) custom calls on any PJRT device, so that the graph of a whole
+training step can be compiled for a TPU on a machine without one
+(:func:`torch_pallas.tpu_compile.compile_graph`); such a graph cannot run there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -166,7 +172,90 @@ def call(jax_function, *tensors: torch.Tensor, **static):
     """
     if tensors[0].device.type != "xla":
         return _call_through_dlpack(jax_function, tensors, static)
+    if lowers_for_tpu() and not on_tpu():
+        return _tpu_callable(jax_function)(*tensors, **dict(static, interpret=False))
     return xb.call_jax(jax_function, tensors, dict(static, interpret=interpret_mode()))
+
+
+LOWER_FOR_TPU_VARIABLE = "TORCH_PALLAS_LOWER_FOR_TPU"
+
+
+
+def _lowering_for_tpu_in(environment) -> bool:
+    """Whether ``environment`` turns TPU lowering on: ``TORCH_PALLAS_LOWER_FOR_TPU`` set to
+    anything but ``""`` or ``"0"``."""
+    return environment.get(LOWER_FOR_TPU_VARIABLE, "0") not in ("", "0")
+
+
+# Process-wide, not per thread: autograd runs the backward pass on a thread of its own, and
+# its kernels must be lowered as the forward's are.
+_lowering_for_tpu = _lowering_for_tpu_in(os.environ)
+
+
+def lowers_for_tpu() -> bool:
+    """Whether XLA tensors' kernels enter the lazy graph as TPU custom calls (always on TPU;
+    elsewhere under :func:`lowering_for_tpu` or ``TORCH_PALLAS_LOWER_FOR_TPU=1``)."""
+    return on_tpu() or _lowering_for_tpu
+
+
+@contextlib.contextmanager
+def lowering_for_tpu(enabled: bool = True):
+    """Inside this context, kernels applied to XLA tensors are lowered for TPU (Pallas
+    compiled to Mosaic, not interpret mode) on every PJRT device, so the lazy graph holds
+    the same TPU custom calls as on a TPU. Off by default; ``TORCH_PALLAS_LOWER_FOR_TPU=1``
+    in the environment turns it on for the whole process.
+
+    On ``PJRT_DEVICE=CPU`` such a graph is for :func:`torch_pallas.tpu_compile.compile_graph`
+    only: the CPU client cannot run a TPU custom call, so fetching or syncing a tensor that
+    depends on one fails. Process-wide while active (the backward pass runs on another
+    thread). Tensors on the CPU (not XLA) still run in interpret mode.
+
+    Example::
+
+        >>> with torch_pallas.tpu_compile.lowering_for_tpu():
+        ...     loss = model(x).loss
+        ...     loss.backward()
+        >>> torch_pallas.tpu_compile.compile_graph([loss, *grads], "v5e").peak_bytes
+    """
+    global _lowering_for_tpu
+    previous, _lowering_for_tpu = _lowering_for_tpu, enabled
+    try:
+        yield
+    finally:
+        _lowering_for_tpu = previous
+
+
+class _TpuLoweredJaxCallable(xb.JaxCallable):
+    """``call_jax``'s callable, lowered for the TPU platform instead of JAX's default
+    backend. Only ``specialize`` differs from torch_xla's ``JaxCallable.specialize``: it
+    passes ``lowering_platforms=("tpu",)`` (call_jax has no platform argument). Uses
+    torch_xla 2.9's private ``JaxCallable`` internals (``_flat_input_func``), as call_jax
+    itself does; the torch_xla pin keeps them."""
+
+    def specialize(self, sample_flat_args):
+        import jax
+
+        torchax = xb.maybe_get_torchax()
+        sample = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, torchax.ops.mappings.t2j_dtype(a.dtype))
+                       for a in sample_flat_args)
+        lowered = (jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(sample)
+                   .lower(lowering_platforms=("tpu",)))
+        proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+        return xb.xla_computation_as_func(xb.computation_from_module_proto("jax_callable", proto), "jax_func")
+
+
+_TPU_CALLABLES: dict = {}
+
+
+def _tpu_callable(jax_function) -> _TpuLoweredJaxCallable:
+    # Cached as call_jax caches its own: by the function and JAX's trace context; the
+    # callable caches by shapes, dtypes and static values.
+    from jax._src import config
+
+    key = (jax_function, config.trace_context())
+    if key not in _TPU_CALLABLES:
+        _TPU_CALLABLES[key] = _TpuLoweredJaxCallable(jax_function)
+    return _TPU_CALLABLES[key]
 
 
 @functools.cache

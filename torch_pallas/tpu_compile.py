@@ -14,14 +14,29 @@ Example::
     >>> key_data = jax.ShapeDtypeStruct((2,), jnp.int32)
     >>> compile_for_tpu(functools.partial(sampling.uniform, shape=(8, 128), interpret=False),
     ...                 key_data, generation="v5e")
+
+A whole torch graph (a training step, say) compiles the same way: build it under
+:func:`lowering_for_tpu` (the kernels become TPU custom calls in the lazy graph; the graph
+is never run here) and pass its outputs to :func:`compile_graph`::
+
+    >>> with lowering_for_tpu():
+    ...     loss = model(input_ids=ids, labels=ids).loss
+    ...     loss.backward()
+    >>> compiled = compile_graph([loss, *(p.grad for p in model.parameters())], "v5e")
+    >>> compiled.peak_bytes, compiled.flops
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import time
+from typing import Sequence
 
 import jax
+
+from torch_pallas.bridge import LOWER_FOR_TPU_VARIABLE, lowering_for_tpu  # noqa: F401  (re-exported)
 
 # One topology name per generation: the smallest each accepts ("v5e:1x1" is refused, and
 # libtpu 0.0.21 does not know v7x).
@@ -77,3 +92,91 @@ def compile_sharded_for_tpu(function, in_specs, out_specs, *args: jax.ShapeDtype
               for arg, spec in zip(args, in_specs)]
     per_shard = jax.shard_map(function, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
     return jax.jit(per_shard).lower(*on_tpu).compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCompilation:
+    """What libtpu's compiler reports for one graph on one TPU of ``generation``.
+
+    Memory is per chip, in bytes, as the executable's ``get_compiled_memory_stats()`` gives
+    it: ``peak_bytes`` is its ``peak_memory_in_bytes`` (libtpu's peak of HBM in use);
+    ``temp_bytes`` the temporaries' allocation as buffer assignment sizes it (activations kept
+    for the backward pass among them), which is not a part of the peak: on some generations
+    it exceeds it, and it was 0 for small graphs. ``cost`` is ``cost_analysis()`` as libtpu
+    gives it (``"flops"``, ``"bytes accessed"``, ``"transcendentals"``, per-operand entries).
+    Compiler estimates, not measurements.
+    """
+
+    generation: str
+    seconds: float
+    peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+    cost: dict
+
+    @property
+    def flops(self) -> float:
+        return self.cost.get("flops", 0.0)
+
+    @property
+    def bytes_accessed(self) -> float:
+        return self.cost.get("bytes accessed", 0.0)
+
+
+def compile_graph(tensors: Sequence, generation: str) -> GraphCompilation:
+    """Compiles the lazy XLA graph that computes ``tensors`` (XLA tensors, not yet
+    computed) for one TPU of ``generation`` with libtpu, on any machine; nothing runs.
+
+    The graph is the HLO torch_xla would run for ``tensors`` (a loss and its gradients, for
+    a training step). Pallas kernels in it must be TPU custom calls: off TPU, build it under
+    :func:`lowering_for_tpu`, or the kernels are the interpret-mode HLO of the CPU client
+    (which compiles too, but is not what a TPU runs). Only unsharded graphs: SPMD graphs
+    need the partitioner's options and a mesh of devices.
+
+    Args:
+        tensors: the XLA tensors whose graph to compile (its outputs).
+        generation: a key of :data:`GENERATIONS`.
+
+    Returns:
+        :class:`GraphCompilation`: compile time, memory and cost analysis.
+
+    Raises:
+        ValueError: an unknown ``generation``, or a tensor that is not an XLA tensor.
+        RuntimeError: libtpu is not installed.
+        NotImplementedError: torch_xla is in SPMD mode.
+        jax.errors.JaxRuntimeError: what libtpu's compiler rejects, with its message.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation must be one of {', '.join(map(repr, GENERATIONS))}, got {generation!r}")
+    tensors = list(tensors)
+    if not tensors or any(getattr(t, "device", None) is None or t.device.type != "xla" for t in tensors):
+        raise ValueError("tensors must be a non-empty sequence of XLA tensors (on torch_xla.device())")
+    if not available():
+        raise RuntimeError("compile_graph needs libtpu, the TPU compiler: pip install 'torch-pallas[test]' "
+                           "(libtpu==0.0.21, the version torch_xla[tpu] 2.9 pins)")
+    if xr.is_spmd():
+        raise NotImplementedError("compile_graph compiles unsharded graphs only; this process is in SPMD mode")
+    device = tpu_device(generation)
+    proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors)
+    # jax 0.7.1's private converter (the jax pin keeps it): libtpu's client takes StableHLO.
+    module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    start = time.perf_counter()
+    executable = device.client.compile(module, xla_client.DeviceList((device,)), options)
+    seconds = time.perf_counter() - start
+    memory = executable.get_compiled_memory_stats()
+    cost = executable.cost_analysis()
+    cost = dict(cost[0] if isinstance(cost, (list, tuple)) else cost)
+    return GraphCompilation(
+        generation=generation, seconds=seconds, peak_bytes=memory.peak_memory_in_bytes,
+        argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+        generated_code_bytes=memory.generated_code_size_in_bytes, cost=cost)
