@@ -136,3 +136,14 @@ def test_gpt2_training_step_compiles_whole_for_tpu(training_steps, dropout, gene
     assert parameter_bytes <= compiled.output_bytes < 2 * parameter_bytes
     assert compiled.peak_bytes >= compiled.argument_bytes > 0 and compiled.temp_bytes >= 0
     assert compiled.flops > 0 and compiled.bytes_accessed > 0
+
+
+def test_hardware_impl_is_accepted_when_lowering_for_tpu_and_compiles():
+    x = torch.ones(256, 1024, device=torch_xla.device())
+    if not ON_TPU:
+        with pytest.raises(ValueError, match="needs PJRT_DEVICE=TPU"):
+            torch_pallas.dropout(x, 0.5, impl="hardware")
+    with tpu_compile.lowering_for_tpu():
+        y = torch_pallas.dropout(x, 0.5, seed=1, impl="hardware")
+    assert "tpu_custom_call" in torch_xla._XLAC._get_xla_tensors_hlo([y])
+    assert tpu_compile.compile_graph([y], "v5e").peak_bytes > 0

@@ -69,7 +69,9 @@ def resolve_impl(impl) -> str:
 
 def _check_impl(impl, name: str) -> str:
     prng.check_impl(impl, name)
-    if impl == prng.HARDWARE and not bridge.on_tpu():
+    # Lowered for TPU (a graph built to be compiled by libtpu, never run here) the hardware
+    # PRNG is what the TPU would run.
+    if impl == prng.HARDWARE and not bridge.lowers_for_tpu():
         raise ValueError(
             f"{name} is 'hardware', which uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
             "use impl='threefry' here")

@@ -180,7 +180,6 @@ def call(jax_function, *tensors: torch.Tensor, **static):
 LOWER_FOR_TPU_VARIABLE = "TORCH_PALLAS_LOWER_FOR_TPU"
 
 
-
 def _lowering_for_tpu_in(environment) -> bool:
     """Whether ``environment`` turns TPU lowering on: ``TORCH_PALLAS_LOWER_FOR_TPU`` set to
     anything but ``""`` or ``"0"``."""
