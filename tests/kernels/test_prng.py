@@ -70,6 +70,8 @@ def test_tile_index_is_sample_blocks(total, block, tile):
 
 @pytest.mark.parametrize("view,tile", [
     ((4096, 1024), (64, 1024)), ((16, 1024), (16, 1024)), ((1, 1000), (8, 1024)), ((13, 300), (16, 128)),
+    ((20, 300), (8, 128)),
     ((2, 3072), (8, 1024)), ((100, 384), (8, 128)), ((2048, 128), (512, 128)), ((1, 7), (8, 128))])
 def test_hardware_tile_is_the_largest_that_pads_no_more_than_whole_vregs(view, tile):
+    """README, The noise contract: the seed tiles it names."""
     assert tiling.hardware_tile(*view) == tile
