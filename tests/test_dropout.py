@@ -8,6 +8,7 @@ import jax
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint
 
 import torch_pallas
@@ -385,3 +386,58 @@ def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         x = positive(SHAPE, dtype)
         assert torch.equal(torch_pallas.dropout(x.cpu(), 0.3, seed=1), torch_pallas.dropout(x, 0.3, seed=1).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_add_is_residual_plus_dropout_with_its_mask_and_gradients(dtype):
+    """README, A short tour (dropout_add)."""
+    x = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))).to(dtype).requires_grad_()
+    residual = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))).to(dtype).requires_grad_()
+    y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])
+    grad = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])
+    assert saved == [8]
+    y.backward(grad)
+    keep = np.array(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, SHAPE))
+    wide = [t.detach().cpu().double() for t in (x, residual, grad)]
+    expected = torch.where(torch.from_numpy(keep), wide[0] / 0.7, 0.0) + wide[1]
+    # Computed in float32 and rounded once: within one float32 rounding of the exact sum.
+    torch.testing.assert_close(y.detach().cpu().double(), expected.to(dtype).double(),
+                               rtol=3e-7 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    assert torch.equal(x.grad.cpu(), torch_pallas.dropout(grad, 0.3, seed=SEEDS[2]).cpu())
+    assert torch.equal(residual.grad.cpu(), grad.cpu())
+
+
+def test_dropout_add_without_a_kernel_and_its_bad_input():
+    x, residual = positive(SHAPE), positive(SHAPE) * 2
+    assert torch.equal(torch_pallas.dropout_add(x, residual, 0.0).cpu(), (x + residual).cpu())
+    assert torch.equal(torch_pallas.dropout_add(x, residual, 0.5, training=False).cpu(), (x + residual).cpu())
+    assert torch.equal(torch_pallas.dropout_add(x, residual, 1.0).cpu(), residual.cpu())
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        torch_pallas.dropout_add(x, residual[:1], 0.5)
+    with pytest.raises(TypeError, match="residual must have x's dtype"):
+        torch_pallas.dropout_add(x, residual.bfloat16(), 0.5)
+    with pytest.raises(ValueError, match="p must be in"):
+        torch_pallas.dropout_add(x, residual, 1.5)
+    with pytest.raises(TypeError, match="float32, bfloat16, float16 or float64"):
+        torch_pallas.dropout_add(x.long(), residual.long(), 0.5)
+
+
+def test_dropout_add_compiles_without_graph_breaks_or_recompiles():
+    x, residual = positive(SHAPE), positive(SHAPE)
+    step = torch.compile(lambda a, b: torch_pallas.dropout_add(a, b, 0.5), backend="openxla", fullgraph=True)
+    kept, compiles = [], []
+    for _ in range(4):
+        x.grad = None
+        x.requires_grad_()
+        y = step(x, residual)
+        y.sum().backward()
+        torch_xla.sync()
+        kept.append((y - residual).detach().cpu() != 0)
+        assert torch.equal(x.grad.cpu() != 0, kept[-1])  # the backward's mask is the forward's
+        compiles.append(met.metric_data("CompileTime")[0])
+    assert compiles[1] == compiles[-1], compiles
+    assert not torch.equal(kept[2], kept[3])  # a fresh key per call

@@ -11,7 +11,7 @@ from torch_pallas import _checks, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.ops import dropout as dropout_op, indrnn as indrnn_op
 
-__all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
+__all__ = ["dropout", "dropout_add", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
@@ -133,6 +133,60 @@ def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input
     else:
         output = masked(seeds.key_data(seed=seed, generator=generator, device=x.device), p, impl)
     return x.copy_(output) if inplace else output
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None,
+                generator=None, impl=None) -> torch.Tensor:
+    r"""Returns ``residual + dropout(x, p)`` computed in one kernel (Megatron's
+    ``bias_dropout_add`` fusion, with the bias already in ``x``).
+
+    The kernel reads ``x`` and ``residual`` and writes the sum once, where
+    ``residual + torch_pallas.dropout(x, p)`` writes the dropout's output and reads it back:
+    on a TPU, where XLA fuses its own dropout into the add but cannot fuse a Pallas kernel,
+    that is a whole pass over the tensor fewer. The mask is :func:`dropout`'s for the same
+    key (bit for bit ``jax.random.bernoulli`` with ``impl="threefry"``); the sum is computed
+    in float32 and rounded once, so it may differ from the unfused sum by one rounding. The
+    backward pass is :func:`dropout`'s kernel on the gradient (from the 8-byte key) for
+    ``x`` and the gradient itself for ``residual``.
+
+    Args:
+        x (Tensor): what is dropped: float32, bfloat16, float16 or float64, on an XLA device
+            or the CPU.
+        residual (Tensor): what is added: ``x``'s shape, dtype and device.
+        p, training, seed, generator, impl: as for :func:`dropout`.
+
+    Returns:
+        Tensor: ``residual + dropout(x)``, a new tensor of ``x``'s shape and dtype
+        (``x + residual`` when nothing is dropped: ``training=False`` or ``p == 0``).
+
+    Raises:
+        TypeError: as :func:`dropout`, and a ``residual`` that is not a tensor of ``x``'s dtype.
+        ValueError: as :func:`dropout`, and a ``residual`` of another shape or device than ``x``.
+
+    Example::
+
+        >>> hidden = torch_pallas.dropout_add(attention_output, hidden, p=0.1)
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    if residual.shape != x.shape or residual.device != x.device:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)} on {x.device}, got "
+                         f"{tuple(residual.shape)} on {residual.device}")
+    p = _checks.check_probability(p)
+    impl = _checks.resolve_impl(impl)
+    if not training or p == 0.0:
+        seeds.check_source(seed, generator)
+        return x + residual
+    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
+    if p == 1.0:
+        seeds.check_source(seed, generator)
+        return x * 0 + residual
+    key_data = seeds.key_data(seed=seed, generator=generator, device=x.device)
+    return dropout_op.apply_add(x, residual, key_data, p, impl, sharding.resolve_noise(x, "x", impl))
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):

@@ -80,3 +80,18 @@ def test_mask_of_a_shard_past_2_32_elements_is_jax_bernoulli(case):
     part = tuple(slice(s, s + size) for s, size in zip(mask_start, shard[len(shard) - len(mask_shape):]))
     keep = jax_random_part(lambda key: jax.random.bernoulli(key, 1 - p, mask_shape), jax_key(seed), part)
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shard))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("blocks", [None, Blocks(8, 128)])
+def test_dropout_add_is_the_dropout_mask_plus_residual_rounded_once(dtype, blocks):
+    seed, p, shape = SEEDS[1], 0.3, (20, 300)
+    x = jax.random.normal(jax.random.key(1), shape, dtype)
+    residual = jax.random.normal(jax.random.key(2), shape, dtype)
+    y = jax.jit(dropout_kernels.dropout_add, static_argnames=("p", "interpret", "blocks"))(
+        key_data(seed), x, residual, p=p, interpret=True, blocks=blocks)
+    keep, _ = reference(seed, x, p)
+    exact = np.where(keep, np.asarray(x, np.float64) / (1 - p), 0) + np.asarray(residual, np.float64)
+    assert y.dtype == dtype
+    # float32 arithmetic rounded once to the dtype: within an ulp or two of the exact sum.
+    np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=2 * float(jnp.finfo(dtype).eps), atol=1e-6)

@@ -102,6 +102,16 @@ def test_dropout(generation, impl, dtype, shared_over_first_dim):
 OFFSETS_SPEC = P("data", "model", None)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("impl", prng.IMPLS)
+def test_dropout_add(generation, impl, dtype):
+    # Two operands in, one out: the fused residual add (its backward is the dropout kernel).
+    kernel = functools.partial(dropout.dropout_add, p=0.1, impl=impl, interpret=False)
+    for shape in elementwise_shapes(dtype, ("ragged", "large")):
+        operand = jax.ShapeDtypeStruct(shape, DTYPES[dtype])
+        compiles(kernel, KEY, operand, operand, generation=generation)
+
+
 def _dropout_on_shard(key_data, offsets, x, *, global_shape, **options):
     return dropout.dropout(key_data, x, global_shape=global_shape, shard_offset=offsets.reshape(2), **options)
 

@@ -16,14 +16,17 @@ import jax.numpy as jnp
 from torch_pallas.kernels import arguments, elementwise, prng, tiling
 
 
-def _apply_mask(bits, values, *, keep_probability):
+def _apply_mask(bits, values, *residual, keep_probability):
     keep = prng.bernoulli_from_bits(bits, keep_probability)
     # Scaling in float32 (then rounding once) keeps 16-bit inputs off the 16-bit VPU paths
     # that older TPUs lack.
     wide = values.astype(jnp.float32)
     # x * 0, not 0: a dropped NaN or infinity gives NaN, as torch's dropout (x * mask)
     # gives, so a diverging run still shows its NaNs.
-    return jnp.where(keep, wide / keep_probability, wide * 0.0).astype(values.dtype)
+    out = jnp.where(keep, wide / keep_probability, wide * 0.0)
+    if residual:
+        out = out + residual[0].astype(jnp.float32)
+    return out.astype(values.dtype)
 
 
 def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
@@ -53,17 +56,41 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
     Raises:
         ValueError: ``p`` outside [0, 1], and the errors of :func:`elementwise.noise_map`.
     """
+    return _masked(key_data, (x,), p=p, impl=impl, interpret=interpret, blocks=blocks,
+                   shared_over_first_dim=shared_over_first_dim, global_shape=global_shape, shard_offset=shard_offset)
+
+
+def dropout_add(key_data: jax.Array, x: jax.Array, residual: jax.Array, *, p: float, impl: str = prng.THREEFRY,
+                interpret: bool, blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False,
+                global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
+    """``residual + dropout(key_data, x)`` in one Pallas kernel, computed in float32 and rounded
+    once: it reads ``x`` and ``residual`` and writes the sum, where a dropout kernel followed
+    by XLA's add writes the dropout's output and reads it back (Megatron's
+    ``bias_dropout_add`` fusion). The mask is :func:`dropout`'s for the same key, and the
+    backward pass is :func:`dropout` on the gradient (the residual's gradient is the
+    gradient itself).
+
+    Args:
+        residual: an array of ``x``'s shape and dtype.
+        The rest: as :func:`dropout`.
+    """
+    return _masked(key_data, (x, residual), p=p, impl=impl, interpret=interpret, blocks=blocks,
+                   shared_over_first_dim=shared_over_first_dim, global_shape=global_shape, shard_offset=shard_offset)
+
+
+def _masked(key_data, operands, *, p, impl, interpret, blocks, shared_over_first_dim, global_shape, shard_offset):
+    """:func:`dropout` of ``operands[0]``, plus ``operands[1]`` when given."""
     p = arguments.check_probability(p)
+    x = operands[0]
     if x.size == 0:
         return x
     if x.dtype == jnp.float16:
         # The values are scaled in float32 and rounded once for every dtype; here the
         # rounding happens outside the kernel.
-        (wide,) = tiling.widen_float16(x)
-        return dropout(key_data, wide, p=p, impl=impl, interpret=interpret, blocks=blocks,
-                       shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
+        return _masked(key_data, tiling.widen_float16(*operands), p=p, impl=impl, interpret=interpret,
+                       blocks=blocks, shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
                        shard_offset=shard_offset).astype(x.dtype)
     transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
-    return elementwise.noise_map(key_data, x.shape, transform, x.dtype, x, impl=impl, interpret=interpret,
-                                 blocks=blocks, shared_over_first_dim=shared_over_first_dim,
+    return elementwise.noise_map(key_data, x.shape, transform, x.dtype, tuple(operands), impl=impl,
+                                 interpret=interpret, blocks=blocks, shared_over_first_dim=shared_over_first_dim,
                                  global_shape=global_shape, shard_offset=shard_offset)

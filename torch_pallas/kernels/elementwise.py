@@ -3,7 +3,7 @@
 It views the tensor as a 2-D matrix (:func:`tiling.view_2d`), resolves the blocks, pads the
 view to whole seed tiles for the hardware PRNG (:func:`tiling.hardware_tile`), and runs a
 kernel that, chunk by chunk, draws the chunk's random bits and writes
-``transform(bits[, operand chunk])``.
+``transform(bits, *operand chunks)``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from torch_pallas.kernels import prng, tiling
 def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
                   chunk_shape, column_major_grid):
     offset_ref, refs = (refs[0], refs[1:]) if sharded else (None, refs)
-    out_ref = refs[-1]
-    operand_ref = refs[0] if len(refs) == 2 else None
+    *operand_refs, out_ref = refs
     block_rows, block_cols = out_ref.shape
     chunk_rows, chunk_cols = chunk_shape
     base = None
@@ -64,10 +63,7 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
         else:
             bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset,
                                    row_stride, base, wide)
-        if operand_ref is None:
-            out_ref[rows, cols] = transform(bits)
-        else:
-            out_ref[rows, cols] = transform(bits, operand_ref[rows, cols])
+        out_ref[rows, cols] = transform(bits, *(operand_ref[rows, cols] for operand_ref in operand_refs))
 
     # A loop, not Python unrolling, over the block's chunks: the kernel's code size stays
     # bounded however large the block.
@@ -192,11 +188,11 @@ def _first_tile(shard_offset: jax.Array, global_cols: int, one_row: bool, seed_t
     return lax.bitcast_convert_type(first, jnp.int32).reshape(1)
 
 
-def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Array | None = None, *,
+def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple = (), *,
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
               shared_over_first_dim: bool = False, global_shape=None,
               shard_offset: jax.Array | None = None) -> jax.Array:
-    """``transform(bits[, operand])`` over a tensor of ``shape``, in one Pallas kernel.
+    """``transform(bits, *operands)`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
     result does not depend on ``blocks`` or (threefry) the backend. A shard of a larger
@@ -206,9 +202,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     Args:
         key_data: int32 (2,) threefry key words.
         shape: the tensor's (or shard's) shape (at least one element).
-        transform: ``f(bits)`` or ``f(bits, operand_chunk)`` -> chunk of ``out_dtype``.
+        transform: ``f(bits, *operand_chunks)`` -> chunk of ``out_dtype``.
         out_dtype: the kernel's output dtype.
-        operand: optional array of ``shape`` read elementwise.
+        operands: arrays of ``shape`` read elementwise (none for sampling).
         impl, interpret, blocks: see :func:`sampling.sample`.
         shared_over_first_dim: every index along ``shape[0]`` gets the noise of a tensor
             of shape ``shape[1:]`` (for example one dropout mask per sequence, shared over
@@ -264,7 +260,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         raise ValueError(f"a tensor of shape {tuple(shape)} is seen as a {view_rows}x{view_cols} matrix"
                          f"{f' {outer} times' if outer > 1 else ''}, and Pallas numbers the blocks along a dim "
                          "with int32: a dim of 2**31 or more is not supported")
-    itemsize = max(jnp.dtype(out_dtype).itemsize, operand.dtype.itemsize if operand is not None else 1)
+    itemsize = max([jnp.dtype(out_dtype).itemsize, *(operand.dtype.itemsize for operand in operands)])
     blocks = tiling.resolve_elementwise(blocks, view_rows, view_cols, itemsize, interpret=interpret,
                                         seed_tile=seed_tile)
 
@@ -281,16 +277,16 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
     view_shape = (view_rows, view_cols) if outer_stride is None else (outer, view_rows, view_cols)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     in_specs = [smem]
-    operands = [prng.hardware_key_data(key_data) if hardware else key_data]
+    arguments = [prng.hardware_key_data(key_data) if hardware else key_data]
     if sharded:
         in_specs.append(smem)
-        operands.append(shard_offset)
-    if operand is not None:
+        arguments.append(shard_offset)
+    for operand in operands:
         operand = operand.reshape(view_shape if not hardware else (rows, cols))
         if hardware and (view_rows, view_cols) != (rows, cols):
             operand = jnp.pad(operand, ((0, view_rows - rows), (0, view_cols - cols)))
         in_specs.append(block_spec)
-        operands.append(operand)
+        arguments.append(operand)
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
         outer_stride=outer_stride, sharded=sharded, wide=wide, column_major_grid=blocks.column_major_grid,
@@ -303,7 +299,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operand: jax.Arr
         out_specs=block_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid)),
         interpret=interpret,
-    )(*operands)
+    )(*arguments)
     if (view_rows, view_cols) != (rows, cols):
         out = out[:rows, :cols]
     return out.reshape(shape)

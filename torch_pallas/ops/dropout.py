@@ -65,8 +65,8 @@ def _backward(ctx, grad_output):
 dropout.register_autograd(_backward, setup_context=_setup_context)
 
 
-@dropout.register_vmap
-def _(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks, sharding=None):
+def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
+                     sharding=None):
     # A batched sample is not the tensor the sharding describes: vmap runs on whole tensors.
     x_dim, key_dim = in_dims[:2]
     options = (p, impl)
@@ -82,6 +82,9 @@ def _(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backwa
     leading = 2 if shared_over_first_dim else 1
     flat = samples.reshape(-1, *samples.shape[leading:])
     return dropout(flat, key_data, *options, True, None, None).reshape(samples.shape), 0
+
+
+dropout.register_vmap(_batched_dropout)
 
 
 class _Dropout(torch.autograd.Function):
@@ -106,3 +109,71 @@ def apply(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_o
     vmap) and ``torch.compile``."""
     return _autograd.call(_Dropout, dropout, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
                           sharding)
+
+
+@torch.library.custom_op("torch_pallas::dropout_add", mutates_args=())
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+                sharding: Optional[str] = None) -> torch.Tensor:
+    """``residual + dropout(x, key_data, p, impl)`` in one kernel (x and residual of one shape
+    and dtype; pre-checked). Its backward is :func:`dropout` on the gradient."""
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    if x.dtype == torch.float64:
+        return residual + dropout(x, key_data, p, impl, False, None, None, sharding)
+    if sharding is not None:
+        dims = tuple(range(x.dim()))
+        return sharding_.call(dropout_kernels.dropout_add, sharding, [key_data, x, residual], [(None,), dims, dims],
+                              [dims], noise_shape=x.shape, p=p, impl=impl)
+    return bridge.call(dropout_kernels.dropout_add, key_data, x, residual, p=p, impl=impl)
+
+
+@dropout_add.register_fake
+def _(x, residual, key_data, *options):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_setup_context(ctx, inputs, output):
+    _, _, key_data, ctx.p, ctx.impl, ctx.sharding = inputs
+    ctx.save_for_backward(key_data)  # 8 bytes, as dropout's
+    ctx.save_for_forward(key_data)
+
+
+def _add_backward(ctx, grad_output):
+    (key_data,) = ctx.saved_tensors
+    grad_x = dropout(grad_output, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
+    return grad_x, grad_output, None, None, None, None
+
+
+dropout_add.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
+@dropout_add.register_vmap
+def _(info, in_dims, x, residual, key_data, p, impl, sharding=None):
+    x_dim, residual_dim, key_dim = in_dims[:3]
+    dropped, _ = _batched_dropout(info, (x_dim, key_dim), x, key_data, p, impl, False, None, None)
+    residual = residual.movedim(residual_dim, 0) if residual_dim is not None else residual
+    return dropped + residual, 0
+
+
+class _DropoutAdd(torch.autograd.Function):
+    """:func:`dropout_add` with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
+
+    forward = staticmethod(dropout_add)
+    setup_context = staticmethod(_add_setup_context)
+    backward = staticmethod(_add_backward)
+    generate_vmap_rule = True
+
+    @staticmethod
+    def jvp(ctx, grad_x, grad_residual, *_):
+        (key_data,) = ctx.saved_tensors
+        tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None,
+                                                      ctx.sharding)
+        if grad_residual is None:
+            return tangent
+        return grad_residual if tangent is None else tangent + grad_residual
+
+
+def apply_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+              sharding: Optional[str] = None) -> torch.Tensor:
+    """:func:`dropout_add`, differentiable under autograd, ``torch.func`` and ``torch.compile``."""
+    return _autograd.call(_DropoutAdd, dropout_add, x, residual, key_data, p, impl, sharding)
