@@ -11,9 +11,13 @@ if os.environ["PJRT_DEVICE"] != "TPU":
 import pytest  # noqa: E402
 
 import torch_pallas  # noqa: E402,F401  (torch_xla's client before JAX)
-from torch_pallas import bridge  # noqa: E402
+from torch_pallas import bridge, tpu_compile  # noqa: E402
 
 ON_TPU = bridge.on_tpu()
+
+NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
+    "libtpu (the TPU compiler) is not installed: ./dev test, or pip install -e '.[test]', installs "
+    "libtpu==0.0.21, the version torch_xla[tpu] pins"))
 
 # tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
 # its own (which sets TORCH_PALLAS_HLO_DUMP).

@@ -18,16 +18,14 @@ import torch_pallas
 from torch_pallas import bridge, tpu_compile
 from torch_pallas.tpu_compile import GENERATIONS
 
-from conftest import ON_TPU
+from conftest import NEEDS_LIBTPU, ON_TPU
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
 
 pytestmark = [
     pytest.mark.tpu_compile,
     pytest.mark.skipif(ON_TPU, reason="on a TPU the kernels are TPU custom calls anyway and the step runs for real"),
-    pytest.mark.skipif(not tpu_compile.available(), reason=(
-        "libtpu (the TPU compiler) is not installed: ./dev test, or pip install -e '.[test]', installs "
-        "libtpu==0.0.21, the version torch_xla[tpu] pins")),
+    NEEDS_LIBTPU,
 ]
 
 # rng-bit-generator's outputs: (state, bits); the bits' element type and shape.

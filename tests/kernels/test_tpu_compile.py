@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import ON_TPU
-from torch_pallas import tpu_compile
+from conftest import NEEDS_LIBTPU, ON_TPU
 from torch_pallas.kernels import dropout, indrnn, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
@@ -24,9 +23,7 @@ from torch_pallas.tpu_compile import GENERATIONS, compile_for_tpu, compile_shard
 pytestmark = [
     pytest.mark.tpu_compile,
     pytest.mark.skipif(ON_TPU, reason="on a TPU the suite compiles and runs the kernels for real"),
-    pytest.mark.skipif(not tpu_compile.available(), reason=(
-        "libtpu (the TPU compiler) is not installed: ./dev test, or pip install -e '.[test]', installs "
-        "libtpu==0.0.21, the version torch_xla[tpu] pins")),
+    NEEDS_LIBTPU,
 ]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
