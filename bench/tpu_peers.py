@@ -1,0 +1,314 @@
+"""The peers on the same compiler: forward + backward of ``y = r + dropout(x, 0.1)`` compiled for TPU.
+
+    .venv/bin/python bench/tpu_peers.py                        # markdown on stdout (for tpu_cost.md)
+    .venv/bin/python bench/tpu_peers.py --sizes 22 --dtypes float32 --generations v5e
+
+One program per peer, size (2**22, 2**24 elements), dtype and TPU generation, whose outputs are y
+and x's gradient for an incoming gradient g (x, r, g are inputs), compiled whole by libtpu's
+compile-only client (nothing runs on a TPU):
+
+- ``torch F.dropout`` and torch_pallas (``threefry``, ``hardware``): the torch_xla lazy graph of
+  ``y = r + dropout(x); y.backward(g)``, built under ``tpu_compile.lowering_for_tpu()`` (torch_pallas's
+  kernels are Mosaic custom calls in it) and compiled by ``tpu_compile.compile_graph``;
+- ``jax bernoulli threefry2x32 / rbg / unsafe_rbg``: ``jax.jit`` of ``jax.vjp`` of
+  ``r + where(bernoulli(key, 0.9, x.shape), x / 0.9, 0)`` with that key impl, compiled by
+  ``tpu_compile.compile_for_tpu``.
+
+Reported per generation: the compiler's static schedule of the whole program (bundles / clock,
+summed over every executed fusion and kernel, read from libtpu's final-bundles dumps: see
+``program_schedule``), HBM bytes (``hbm_bytes``: from the optimised HLO's buffer placement; the
+``cost_analysis()`` total counts buffers the compiler keeps out of HBM) and their time at the
+published bandwidth, peak memory (``peak_memory_in_bytes``), temporaries, and what the backward reads
+of the forward (from the optimised HLO: a saved mask, or the RNG recomputed from the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import math
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tpu_cost  # noqa: E402  (first: sets libtpu's dump flags before anything initialises it)
+from tpu_cost import DUMP, HARDWARE, _bundles, _loops, static_schedule  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from common import markdown_table  # noqa: E402
+from torch_pallas import tpu_compile  # noqa: E402
+
+P = 0.1
+PEERS = ("torch F.dropout", "jax threefry2x32", "jax rbg", "jax unsafe_rbg",
+         "torch_pallas threefry", "torch_pallas hardware")
+
+
+# --- the static schedule of a whole program -----------------------------------------------------------------------
+
+def _address(text):
+    return int(text.split()[0], 0)
+
+
+def fusion_schedule(path):
+    """Bundles of one run of an XLA fusion (an XLA-emitted loop nest, not a Pallas kernel).
+
+    An XLA fusion is one software-pipelined loop over its windows (backend_config
+    ``iteration_bounds``): the loop runs ``trip`` times (its ``loop exit test``), and the body proper
+    sits behind a branch taken unless ``lo <= iteration < hi`` (``scmp.ge ..., lo``, ``scmp.lt ...,
+    hi``, ``pnand``), so it runs ``hi - lo`` times and the rest of the loop (the pipeline's DMA
+    issue and waits) ``trip`` times. Loops inside the body count their trip counts (as in
+    ``tpu_cost.static_schedule``). Returns (bundles, windows run = hi - lo summed, or None)."""
+    bundles = _bundles(path)
+    index = {_address(text): i for i, (_, _, _, text) in enumerate(bundles)}
+    loops = _loops(bundles)
+    # Skipped regions: (first, last, runs) for each guarded body.
+    guards = []
+    for first, last, trip in loops:
+        text = "".join(bundles[j][3] for j in range(first, last + 1))
+        for branch in re.finditer(r"sbr\.rel \((%p[0-9a-z_]+)\) target bundleno = (\d+)", text):
+            predicate = branch.group(1)
+            nand = re.search(rf"{re.escape(predicate)} = pnand (%p[0-9a-z_]+), (%p[0-9a-z_]+)", text)
+            if not nand:
+                continue
+            bounds = {}
+            for operand in nand.groups():
+                compare = re.search(rf"{re.escape(operand)} = scmp\.(ge|lt)\.s32\.totalorder %s[0-9a-z_]+, (\d+)", text)
+                if compare:
+                    bounds[compare.group(1)] = int(compare.group(2))
+            if set(bounds) != {"ge", "lt"}:
+                continue
+            start = next(j for j in range(first, last + 1) if f"sbr.rel ({predicate})" in bundles[j][3]) + 1
+            target = int(branch.group(2))
+            end = max(j for a, j in index.items() if a < target)
+            guards.append((start, end, bounds["lt"] - bounds["ge"]))
+    windows = sum(g[2] for g in guards) if guards else None
+
+    def cost(first, last, outer_trip):
+        cycles, i = 0, first
+        while i <= last:
+            guard = next((g for g in guards if g[0] == i and g[1] <= last), None)
+            inner = next((loop for loop in loops
+                          if loop[0] == i and loop[1] <= last and (loop[0], loop[1]) != (first, last)), None)
+            if guard is not None and (first, last) != guard[:2]:
+                # The guarded body runs guard[2] times in all, i.e. guard[2] / outer_trip per pass here.
+                cycles += cost(guard[0], guard[1], 1) * guard[2] / outer_trip
+                i = guard[1] + 1
+            elif inner is not None:
+                cycles += inner[2] * cost(inner[0], inner[1], inner[2])
+                i = inner[1] + 1
+            else:
+                cycles, i = cycles + 1, i + 1
+        return cycles
+
+    return round(cost(0, len(bundles) - 1, 1)), windows
+
+
+def program_schedule(before):
+    """The static schedule of the program compiled since ``before`` (a set of dump paths): bundles
+    of its top-level program (the sequencer that launches each fusion and kernel once; straight
+    line here), plus each XLA fusion's (``fusion_schedule``) and each Pallas kernel's
+    (``tpu_cost.static_schedule``). The programs here have no loops at top level, so every fusion
+    and kernel runs once. Returns (total bundles, {dump name: bundles}) and the optimised HLO."""
+    new = sorted(set(glob.glob(os.path.join(DUMP, "*"))) - before)
+    parts, hlo = {}, None
+    for path in new:
+        name = os.path.basename(path)
+        if name.endswith("-TLP-hlo.txt"):
+            hlo = open(path).read()
+        if not name.endswith("final_bundles.txt") or "schedule-analysis" in name:
+            continue
+        label = re.sub(r"^\d+-|-\d+-final_bundles\.txt$", "", name)
+        if "-TLP" in name or label == "TLP":
+            parts[label] = len(_bundles(path))
+        elif "= custom-call(" in open(path).read():
+            parts[label] = static_schedule(path)["bundles"]
+        else:
+            parts[label] = fusion_schedule(path)[0]
+
+    return sum(parts.values()), parts, hlo
+
+
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]\{([^}]*)\}")
+_BITS = {"pred": 8}
+_MOVES = ("fusion", "custom-call", "rng-bit-generator", "copy-start", "slice-start", "copy", "add", "multiply",
+          "select", "convert", "concatenate", "dynamic-update-slice")
+
+
+def _hbm_arrays(type_text):
+    """Bytes of each array in an HLO type that lives in HBM (no ``S(n)`` memory space: S(1) is VMEM)."""
+    sizes = []
+    for dtype, dims, layout in _ARRAY.findall(type_text):
+        if "S(" in layout:
+            sizes.append(0)
+            continue
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype))
+        sizes.append(math.prod(int(d) for d in dims.split(",") if d) * bits // 8)
+    return sizes
+
+
+def hbm_bytes(hlo):
+    """HBM bytes read and written by the entry computation of an optimised HLO module: for each
+    instruction that moves data (fusions, custom calls (Pallas kernels among them), the RNG,
+    copies and slices), its HBM operands read once and its HBM results written once. Buffers the
+    compiler placed in VMEM (layout ``S(1)``: v5e and v6e put whole 16 MiB masks and copies there)
+    cost no HBM traffic. Async ``copy-start`` / ``slice-start`` read their source (the slice only)
+    and write their destination."""
+    entry = hlo[hlo.find("\nENTRY"):]
+    types = {}
+    total = 0
+    for line in entry.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (.*?) ([\w-]+)\((.*?)\)(?:, |$)", line)
+        if not match:
+            continue
+        name, type_text, op, operands = match.groups()
+        types[name] = type_text
+        if op not in _MOVES:
+            continue
+        results = _hbm_arrays(type_text)
+        if op in ("copy-start", "slice-start"):
+            # (source, destination, context) tuples; the bytes moved are the destination's.
+            moved = math.prod(int(d) for d in _ARRAY.findall(type_text)[1][1].split(",") if d) * (
+                _BITS.get(_ARRAY.findall(type_text)[1][0]) or int(re.sub(r"\D", "", _ARRAY.findall(type_text)[1][0]))) // 8
+            source = _hbm_arrays(types.get(operands.strip("%"), ""))
+            total += (moved if source and source[0] else 0) + (moved if results[1] else 0)
+            continue
+        total += sum(results)
+        for operand in re.findall(r"%([\w.-]+)", operands):
+            total += sum(_hbm_arrays(types.get(operand, "")))
+    return total
+
+
+# --- the programs --------------------------------------------------------------------------------------------------
+
+def jax_program(impl):
+    def step(seed, x, r, g):
+        key = jax.random.key(seed, impl=impl)
+
+        def forward(x):
+            keep = jax.random.bernoulli(key, 1 - P, x.shape)
+            return r + jnp.where(keep, x / (1 - P), 0).astype(x.dtype)
+        y, vjp = jax.vjp(forward, x)
+        return y, vjp(g)[0]
+    return step
+
+
+def compile_jax(impl, shape, dtype, generation):
+    specs = [jax.ShapeDtypeStruct((), jnp.uint32)] + [jax.ShapeDtypeStruct(shape, dtype)] * 3
+    compiled = tpu_compile.compile_for_tpu(jax_program(impl), *specs, generation=generation)
+    memory = compiled.runtime_executable().get_compiled_memory_stats()
+    cost = compiled.cost_analysis()
+    return memory, dict(cost[0] if isinstance(cost, (list, tuple)) else cost)
+
+
+def compile_torch(peer, shape, dtype, generation):
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+
+    import torch_pallas
+
+    device = torch_xla.device()
+    torch_dtype = getattr(torch, dtype)
+    with tpu_compile.lowering_for_tpu():
+        x = torch.zeros(shape, dtype=torch_dtype, device=device).requires_grad_()
+        r = torch.zeros(shape, dtype=torch_dtype, device=device)
+        g = torch.zeros(shape, dtype=torch_dtype, device=device)
+        # Device data, not constants the compiler could fold: the graph's inputs, as in training.
+        torch_xla.sync()
+        if peer == "torch F.dropout":
+            dropped = F.dropout(x, P, training=True)
+        else:
+            dropped = torch_pallas.dropout(x, P, seed=1234, impl=peer.split()[1])
+        y = r + dropped
+        y.backward(g)
+        outputs = [y, x.grad]
+        compiled = tpu_compile.compile_graph(outputs, generation)
+    # The CPU client cannot run these graphs (Mosaic custom calls): drop them before anything syncs.
+    del outputs, y, dropped, x
+    return compiled
+
+
+def measure(peer, shape, dtype, generation):
+    before = set(glob.glob(os.path.join(DUMP, "*")))
+    start = time.perf_counter()
+    if peer.startswith("jax"):
+        memory, cost = compile_jax(peer.split()[1], shape, getattr(jnp, dtype), generation)
+        peak, temp = memory.peak_memory_in_bytes, memory.temp_size_in_bytes
+    else:
+        compiled = compile_torch(peer, shape, dtype, generation)
+        peak, temp, cost = compiled.peak_bytes, compiled.temp_bytes, compiled.cost
+    seconds = time.perf_counter() - start
+    bundles, parts, hlo = program_schedule(before)
+    return dict(seconds=seconds, peak=peak, temp=temp, bytes=hbm_bytes(hlo), xla_bytes=cost.get("bytes accessed", 0.0),
+                bundles=bundles,
+                parts=parts, saved=saved_for_backward(peer, hlo or "", math.prod(shape)))
+
+
+def saved_for_backward(peer, hlo, numel):
+    """What passes from the forward to the backward, from the optimised HLO's entry computation:
+    the non-float buffers of x's size (a pred mask, u32 random bits) that instructions write, and
+    where the compiler placed them (S(n): a memory space other than HBM), or nothing but the key."""
+    if peer.startswith("torch_pallas"):
+        return "the 8-byte key (both kernels take it; no mask buffer)"
+    entry = hlo[hlo.find("\nENTRY"):]
+    found = []
+    for line in entry.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (.*?) ([\w-]+)\(", line)
+        if not match or match.group(3) in ("get-tuple-element", "bitcast", "tuple", "parameter"):
+            continue
+        for dtype, dims, layout in _ARRAY.findall(match.group(2)):
+            if dtype in ("pred", "u8", "s8", "u32", "s32") and math.prod(int(d) for d in dims.split(",") if d) == numel:
+                place = "HBM" if "S(" not in layout else re.search(r"S\(\d+\)", layout).group(0)
+                found.append(f"{dtype} {'mask' if dtype == 'pred' else 'bits'} from {match.group(3)} ({place})")
+    if not found:
+        return "nothing of x's size: one fusion draws the bits once for y and x's gradient"
+    return "; ".join(found)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="*", type=int, default=[22, 24], help="log2 of the element counts")
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--generations", nargs="*", default=list(tpu_compile.GENERATIONS))
+    parser.add_argument("--peers", nargs="*", default=list(PEERS))
+    parser.add_argument("--parts", action="store_true", help="also every fusion's and kernel's bundles")
+    options = parser.parse_args()
+    if not tpu_compile.available():
+        sys.exit("libtpu (the TPU compiler) is not installed")
+    rows, saved, parts = [], {}, []
+    for log2 in options.sizes:
+        shape = (2**log2 // 1024, 1024)
+        for dtype in options.dtypes:
+            for peer in options.peers:
+                cells = []
+                for generation in options.generations:
+                    r = measure(peer, shape, dtype, generation)
+                    hw = HARDWARE[generation]
+                    schedule_us = r["bundles"] / hw["clock"] * 1e6
+                    hbm_us = r["bytes"] / hw["hbm"] * 1e6
+                    cells.append((schedule_us, hbm_us, r))
+                    saved[peer, dtype] = r["saved"] if generation == options.generations[0] else saved[peer, dtype]
+                    parts.append([f"2^{log2}", dtype, peer, generation,
+                                  ", ".join(f"{k} {v}" for k, v in r["parts"].items())])
+                    print(peer, f"2^{log2}", dtype, generation, f"{r['seconds']:.1f} s", file=sys.stderr, flush=True)
+                rows.append([f"2^{log2}", dtype, peer] + [
+                    f"{s:.1f} / {h:.1f} / {r['peak'] / 2**20:.0f} / {r['temp'] / 2**20:.0f}" for s, h, r in cells])
+    libtpu = importlib.metadata.version("libtpu")
+    print(f"Generated by `.venv/bin/python bench/tpu_peers.py` (libtpu {libtpu}'s compile-only client, "
+          f"jax {jax.__version__}). Per generation: the whole program's static schedule in µs (bundles / clock, "
+          "summed over its fusions and kernels) / HBM time in µs (bytes the optimised HLO moves to and from HBM, "
+          "`hbm_bytes`, / published bandwidth) / peak MiB (`peak_memory_in_bytes`) / temp MiB. Nothing ran on a TPU.\n")
+    print(markdown_table(["elements", "dtype", "peer", *options.generations], rows))
+    print(f"\n**What the backward reads of the forward** (optimised HLO, {options.generations[0]}, the largest size):\n")
+    print(markdown_table(["peer", "dtype", "saved for the backward"], [[p, d, s] for (p, d), s in saved.items()]))
+    if options.parts:
+        print(markdown_table(["elements", "dtype", "peer", "gen", "bundles per fusion / kernel"], parts))
+
+
+if __name__ == "__main__":
+    main()
