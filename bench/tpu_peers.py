@@ -9,7 +9,8 @@ compile-only client (nothing runs on a TPU):
 
 - ``torch F.dropout`` and torch_pallas (``threefry``, ``hardware``): the torch_xla lazy graph of
   ``y = r + dropout(x); y.backward(g)``, built under ``tpu_compile.lowering_for_tpu()`` (torch_pallas's
-  kernels are Mosaic custom calls in it) and compiled by ``tpu_compile.compile_graph``;
+  kernels are Mosaic custom calls in it) and compiled by ``tpu_compile.compile_graph``; and the
+  fused form, ``y = torch_pallas.dropout_add(x, r)`` (one kernel reads x and r and writes y);
 - ``jax bernoulli threefry2x32 / rbg / unsafe_rbg``: ``jax.jit`` of ``jax.vjp`` of
   ``r + where(bernoulli(key, 0.9, x.shape), x / 0.9, 0)`` with that key impl, compiled by
   ``tpu_compile.compile_for_tpu``.
@@ -45,7 +46,8 @@ from torch_pallas import tpu_compile  # noqa: E402
 
 P = 0.1
 PEERS = ("torch F.dropout", "jax threefry2x32", "jax rbg", "jax unsafe_rbg",
-         "torch_pallas threefry", "torch_pallas hardware")
+         "torch_pallas threefry", "torch_pallas hardware",
+         "torch_pallas dropout_add threefry", "torch_pallas dropout_add hardware")
 
 
 # --- the static schedule of a whole program -----------------------------------------------------------------------
@@ -171,11 +173,16 @@ def hbm_bytes(hlo):
             continue
         results = _hbm_arrays(type_text)
         if op in ("copy-start", "slice-start"):
-            # (source, destination, context) tuples; the bytes moved are the destination's.
-            moved = math.prod(int(d) for d in _ARRAY.findall(type_text)[1][1].split(",") if d) * (
-                _BITS.get(_ARRAY.findall(type_text)[1][0]) or int(re.sub(r"\D", "", _ARRAY.findall(type_text)[1][0]))) // 8
+            # copy-start gives (destination, source, context) (its copy-done returns the
+            # first), slice-start ((source), destination, context). The bytes moved are the
+            # destination's, read from the source and written to the destination, each costing
+            # HBM traffic where it lives in HBM (a prefetch into VMEM, S(1), reads HBM once).
+            arrays = _ARRAY.findall(type_text)
+            destination_index = 0 if op == "copy-start" else 1
+            dtype, dims, _ = arrays[destination_index]
+            moved = math.prod(int(d) for d in dims.split(",") if d) * (_BITS.get(dtype) or int(re.sub(r"\D", "", dtype))) // 8
             source = _hbm_arrays(types.get(operands.strip("%"), ""))
-            total += (moved if source and source[0] else 0) + (moved if results[1] else 0)
+            total += (moved if source and source[0] else 0) + (moved if results[destination_index] else 0)
             continue
         total += sum(results)
         for operand in re.findall(r"%([\w.-]+)", operands):
@@ -221,15 +228,16 @@ def compile_torch(peer, shape, dtype, generation):
         # Device data, not constants the compiler could fold: the graph's inputs, as in training.
         torch_xla.sync()
         if peer == "torch F.dropout":
-            dropped = F.dropout(x, P, training=True)
+            y = r + F.dropout(x, P, training=True)
+        elif "dropout_add" in peer:  # the fused form: one kernel reads x and r and writes y
+            y = torch_pallas.dropout_add(x, r, P, seed=1234, impl=peer.split()[-1])
         else:
-            dropped = torch_pallas.dropout(x, P, seed=1234, impl=peer.split()[1])
-        y = r + dropped
+            y = r + torch_pallas.dropout(x, P, seed=1234, impl=peer.split()[-1])
         y.backward(g)
         outputs = [y, x.grad]
         compiled = tpu_compile.compile_graph(outputs, generation)
     # The CPU client cannot run these graphs (Mosaic custom calls): drop them before anything syncs.
-    del outputs, y, dropped, x
+    del outputs, y, x
     return compiled
 
 
