@@ -1,8 +1,10 @@
 """torch tensors in, a JAX function applied, torch tensors out.
 
-The only module that touches torch_xla's JAX interop or hands torch tensors to JAX. XLA
-tensors go into the lazy XLA graph through ``call_jax``; tensors on a device JAX also has
-(the CPU) go to JAX through DLPack and the same kernels run there. It
+The only module that touches torch_xla's JAX interop or hands torch tensors to JAX. On XLA
+tensors a kernel becomes one node of the lazy XLA graph: lowered by JAX once per function,
+static configuration and input shapes, then applied with one torch_xla call (what
+``call_jax`` does, without its per-call work); tensors on a device JAX also has (the CPU) go
+to JAX through DLPack and the same kernels run there. It
 decides, from the device, whether Pallas kernels run compiled (TPU) or in interpret mode
 (any other device), and which noise generator is the default there.
 
@@ -163,7 +165,7 @@ def check_device(tensor: torch.Tensor, name: str) -> None:
 def call(jax_function, *tensors: torch.Tensor, **static):
     """Applies ``jax_function(*tensors, interpret=..., **static)`` on the tensors' device.
 
-    XLA tensors: inside the lazy XLA graph, through ``call_jax``. Other tensors (all on one
+    XLA tensors: as one node of the lazy XLA graph (:func:`_call_in_graph`). Other tensors (all on one
     device that :func:`runs_on` accepts): through DLPack to JAX on the same device, where
     the function runs jitted in interpret mode, and back. ``jax_function`` must be defined at
     module level: both paths cache its traced graph by the function, the tensors' shapes and
@@ -172,9 +174,7 @@ def call(jax_function, *tensors: torch.Tensor, **static):
     """
     if tensors[0].device.type != "xla":
         return _call_through_dlpack(jax_function, tensors, static)
-    if lowers_for_tpu() and not on_tpu():
-        return _tpu_callable(jax_function)(*tensors, **dict(static, interpret=False))
-    return xb.call_jax(jax_function, tensors, dict(static, interpret=interpret_mode()))
+    return _call_in_graph(jax_function, tensors, static)
 
 
 LOWER_FOR_TPU_VARIABLE = "TORCH_PALLAS_LOWER_FOR_TPU"
@@ -224,37 +224,53 @@ def lowering_for_tpu(enabled: bool = True):
         _lowering_for_tpu = previous
 
 
-class _TpuLoweredJaxCallable(xb.JaxCallable):
-    """``call_jax``'s callable, lowered for the TPU platform instead of JAX's default
-    backend. Only ``specialize`` differs from torch_xla's ``JaxCallable.specialize``: it
-    passes ``lowering_platforms=("tpu",)`` (call_jax has no platform argument). Uses
-    torch_xla 2.9's private ``JaxCallable`` internals (``_flat_input_func``), as call_jax
-    itself does; the torch_xla pin keeps them."""
-
-    def specialize(self, sample_flat_args):
-        import jax
-
-        torchax = xb.maybe_get_torchax()
-        sample = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, torchax.ops.mappings.t2j_dtype(a.dtype))
-                       for a in sample_flat_args)
-        lowered = (jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(sample)
-                   .lower(lowering_platforms=("tpu",)))
-        proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-        return xb.xla_computation_as_func(xb.computation_from_module_proto("jax_callable", proto), "jax_func")
+# (function, static values, platform, input shapes and dtypes, JAX's trace context) -> the
+# lowered computation and its outputs' tree. call_jax keeps such a cache too, but reaches it
+# through pytree flattening and sixteen environment-variable contexts on every call; here a
+# call after the first is a dictionary lookup and one torch_xla call.
+_COMPUTATIONS: dict = {}
 
 
-_TPU_CALLABLES: dict = {}
-
-
-def _tpu_callable(jax_function) -> _TpuLoweredJaxCallable:
-    # Cached as call_jax caches its own: by the function and JAX's trace context; the
-    # callable caches by shapes, dtypes and static values.
+def _call_in_graph(jax_function, tensors, static: dict):
+    """``jax_function(*tensors, **static)`` as one node of the lazy XLA graph: lowered once per
+    key (for TPU when :func:`lowers_for_tpu`, else for JAX's backend beside the client, the
+    CPU) and applied with torch_xla's ``_xla_user_computation``, the call ``call_jax`` ends in
+    (torch_xla 2.9's C++ binding, kept by the pin; ``call_jax`` uses it the same way)."""
     from jax._src import config
 
-    key = (jax_function, config.trace_context())
-    if key not in _TPU_CALLABLES:
-        _TPU_CALLABLES[key] = _TpuLoweredJaxCallable(jax_function)
-    return _TPU_CALLABLES[key]
+    platform = "tpu" if lowers_for_tpu() else None
+    static = dict(static, interpret=platform is None)
+    key = (jax_function, tuple(sorted(static.items())), platform, config.trace_context(),
+           tuple((tensor.shape, tensor.dtype) for tensor in tensors))
+    lowered = _COMPUTATIONS.get(key)
+    if lowered is None:
+        lowered = _COMPUTATIONS[key] = _lower(jax_function, tensors, static, platform)
+    computation, outputs_tree = lowered
+    outputs = torch_xla._XLAC._xla_user_computation("xla::torch_pallas", list(tensors), computation)
+    return outputs_tree.unflatten(outputs)
+
+
+def _lower(jax_function, tensors, static: dict, platform):
+    """The XLA computation of ``jax_function`` for ``tensors``' shapes and dtypes, and the tree
+    of its outputs (a tuple of arrays, or one)."""
+    import jax
+    import jax.numpy as jnp
+    from torch_xla._internal.jax_workarounds import jax_env_context
+
+    trees = []
+
+    def flat(*arrays):
+        leaves, tree = jax.tree.flatten(jax_function(*arrays, **static))
+        trees.append(tree)
+        return leaves
+
+    arguments = [jax.ShapeDtypeStruct(tuple(tensor.shape), jnp.dtype(str(tensor.dtype).removeprefix("torch.")))
+                 for tensor in tensors]
+    with jax_env_context():  # what call_jax sets around JAX on torch_xla's clients
+        traced = jax.jit(flat, keep_unused=True).trace(*arguments)
+        lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+        proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    return xb.computation_from_module_proto("torch_pallas", proto), trees[0]
 
 
 @functools.cache
