@@ -1,16 +1,18 @@
-"""Calls an op through its ``torch.autograd.Function``, or directly where dynamo traces.
+"""Calls an op directly, or through its ``torch.autograd.Function`` where that is needed.
 
 A custom op's ``register_autograd`` is enough for autograd and ``torch.compile``, but not
 for ``torch.func`` (torch 2.9 rejects the Function it generates: no ``setup_context``) nor
 forward-mode AD. Each op module therefore also defines a Function with ``setup_context``
-and ``jvp``; dynamo cannot trace a Function with a custom ``jvp``, so compiled code
-outside ``torch.func`` calls the op, and under ``torch.func`` dynamo breaks the graph at
-the Function, which then runs eagerly.
+and ``jvp``, used only there: everywhere else (eager autograd, and compiled code, since
+dynamo cannot trace a Function with a custom ``jvp``) a call crosses the op's own autograd
+layer alone. Under ``torch.func`` dynamo breaks the graph at the Function, which then runs
+eagerly.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 
 @torch.compiler.assume_constant_result  # dynamo evaluates it while tracing
@@ -19,7 +21,8 @@ def _under_torch_func() -> bool:
 
 
 def call(function: type[torch.autograd.Function], op, *args):
-    """``function.apply(*args)``, or ``op(*args)`` while dynamo traces outside ``torch.func``."""
-    if torch.compiler.is_compiling() and not _under_torch_func():
-        return op(*args)
-    return function.apply(*args)
+    """``function.apply(*args)`` under ``torch.func`` or inside a forward-mode AD level (where
+    dual tensors can exist), else ``op(*args)``."""
+    if _under_torch_func() or (not torch.compiler.is_compiling() and forward_ad._current_level >= 0):
+        return function.apply(*args)
+    return op(*args)
