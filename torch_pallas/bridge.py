@@ -78,8 +78,9 @@ def _default_xla_device() -> torch.device:
 
 
 def interpret_mode() -> bool:
-    """Pallas runs compiled on TPU and in interpret mode on every other PJRT device."""
-    return not on_tpu()
+    """Whether kernels on XLA tensors run in Pallas's interpret mode: on every PJRT device but
+    a TPU, unless they are lowered for TPU (:func:`lowers_for_tpu`)."""
+    return not lowers_for_tpu()
 
 
 # The process-wide noise impl of calls without ``impl=``, as JAX's ``jax_default_prng_impl``:
@@ -238,7 +239,7 @@ def _call_in_graph(jax_function, tensors, static: dict):
     (torch_xla 2.9's C++ binding, kept by the pin; ``call_jax`` uses it the same way)."""
     from jax._src import config
 
-    platform = "tpu" if lowers_for_tpu() else None
+    platform = None if interpret_mode() else "tpu"
     static = dict(static, interpret=platform is None)
     key = (jax_function, tuple(sorted(static.items())), platform, config.trace_context(),
            tuple((tensor.shape, tensor.dtype) for tensor in tensors))
