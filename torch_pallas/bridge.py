@@ -4,9 +4,9 @@ The only module that touches torch_xla's JAX interop or hands torch tensors to J
 tensors a kernel becomes one node of the lazy XLA graph: lowered by JAX once per function,
 static configuration and input shapes, then applied with one torch_xla call (what
 ``call_jax`` does, without its per-call work); tensors on a device JAX also has (the CPU) go
-to JAX through DLPack and the same kernels run there. It
-decides, from the device, whether Pallas kernels run compiled (TPU) or in interpret mode
-(any other device), and which noise generator is the default there.
+to JAX through DLPack and the same kernels run there. It decides, from the device, whether
+Pallas kernels run compiled (TPU) or in interpret mode (any other device), and which noise
+generator is the default there.
 
 Under :func:`lowering_for_tpu` (or ``TORCH_PALLAS_LOWER_FOR_TPU=1``) the kernels enter the
 lazy graph as TPU (Mosaic) custom calls on any PJRT device, so that the graph of a whole
@@ -86,11 +86,9 @@ def interpret_mode() -> bool:
 # The process-wide noise impl of calls without ``impl=``, as JAX's ``jax_default_prng_impl``:
 # read from the environment once, changed by torch_pallas.random.set_default_impl.
 NOISE_IMPL_VARIABLE = "TORCH_PALLAS_NOISE_IMPL"
-# "threefry" on every platform. On TPU the hardware PRNG is opt-in: reseeding it per (8, 128)
-# tile, as the block-invariance contract needs, compiles to a threefry hash of a whole vector
-# register per tile, and libtpu's schedule for it is 2-4x longer than threefry's on
-# v4/v5e/v5p/v6e (bench/results/tpu_cost.md). Threefry is also bit for bit jax.random on
-# every backend.
+# "threefry" on every platform, TPU included: it is bit for bit jax.random on every backend and
+# tested so here, while the hardware PRNG's bits, though libtpu's schedule makes it the fast
+# impl there (bench/results/tpu_cost.md), have never run on a TPU; it is opt-in until they have.
 PLATFORM_NOISE_IMPL = "threefry"
 _default_noise_impl = os.environ.get(NOISE_IMPL_VARIABLE) or PLATFORM_NOISE_IMPL
 
@@ -225,8 +223,8 @@ def lowering_for_tpu(enabled: bool = True):
         _lowering_for_tpu = previous
 
 
-# (function, static values, platform, input shapes and dtypes, JAX's trace context) -> the
-# lowered computation and its outputs' tree. call_jax keeps such a cache too, but reaches it
+# (function, static values (interpret among them: the platform), JAX's trace context, input
+# shapes and dtypes) -> the lowered computation and its outputs' tree. call_jax keeps such a cache too, but reaches it
 # through pytree flattening and sixteen environment-variable contexts on every call; here a
 # call after the first is a dictionary lookup and one torch_xla call.
 _COMPUTATIONS: dict = {}
@@ -241,7 +239,7 @@ def _call_in_graph(jax_function, tensors, static: dict):
 
     platform = None if interpret_mode() else "tpu"
     static = dict(static, interpret=platform is None)
-    key = (jax_function, tuple(sorted(static.items())), platform, config.trace_context(),
+    key = (jax_function, tuple(sorted(static.items())), config.trace_context(),
            tuple((tensor.shape, tensor.dtype) for tensor in tensors))
     lowered = _COMPUTATIONS.get(key)
     if lowered is None:
