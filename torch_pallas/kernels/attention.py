@@ -1,0 +1,695 @@
+"""Scaled dot-product attention with dropout, in flash (online-softmax) Pallas kernels.
+
+``softmax(query @ key^T * scale + bias)``, dropped out and multiplied by ``value``, where
+the ``L x S`` probabilities never reach HBM: the forward kernel walks blocks of keys with a
+running row maximum and sum and saves the output and the row log-sum-exp; the backward
+kernels (one for the key and value gradients, one for the query's, FlashAttention-2's split)
+recompute the probabilities from the log-sum-exp. The dropout mask is regenerated in every
+kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
+
+- ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
+  probability when ``jax.random.bernoulli(key, 1 - dropout_p, (*batch, L, S))`` is True
+  there, bit for bit, so the mask is the one :func:`dropout.dropout` draws for the
+  probabilities themselves, and any forward and backward blocks agree.
+- ``impl="hardware"`` (TPU only): the hardware PRNG seeded per :func:`attention_tile` tile
+  of each batch element's ``L x S`` plane as ``pltpu.sample_block`` seeds it, the tiles
+  numbered row-major over the planes (``b * tiles_per_plane + tile_row * tiles_per_row +
+  tile_col``, the plane padded to whole tiles); blocks are whole tiles, so any forward and
+  backward blocks agree.
+
+Shapes and semantics are torch's ``scaled_dot_product_attention``: ``query (*batch, L, E)``,
+``key (*batch', S, E)``, ``value (*batch', S, Ev)`` with batch dims broadcast (and with
+``gqa`` the head dim, ``-3``, of ``key`` and ``value`` repeated to the query's),
+``is_causal`` keeps ``s <= l`` (top-left aligned), a bias (an additive float mask, a boolean
+mask made ``0``/``-inf``) broadcast to ``(*batch, L, S)``, and a row whose every score is
+``-inf`` gives zeros (torch's safe softmax), forward and backward. float16 is computed in
+float32 (Mosaic has no float16); bfloat16 feeds the matrix unit in bfloat16 and accumulates
+in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels import arguments, prng, tiling
+
+# The row statistics (log-sum-exp; the backward's rowsum(dO * O)) cross kernel boundaries as
+# (rows, ROW_STAT_LANES) float32 blocks.
+ROW_STAT_LANES = tiling.LANES
+_TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
+_HARDWARE_TILE_MAX_COLS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Rows of the query (``q``) and of the keys and values (``kv``) per grid step of an
+    attention kernel: the score block is ``q x kv``. A block larger than its length is
+    clamped to it; the lengths are padded to whole blocks (padded keys are masked out)."""
+    q: int
+    kv: int
+
+    def __post_init__(self):
+        tiling._check_positive_ints(self, ("q", "kv"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How one operand's flat batch index follows the output's: per output batch dim,
+    (stride in the operand's flat batch index, 0 where broadcast; divisor, the GQA group
+    size on the head dim else 1)."""
+    dims: tuple[tuple[int, int], ...]
+
+    def index(self, batch, b):
+        index, inner = 0, math.prod(batch)
+        for size, (stride, divisor) in zip(batch, self.dims):
+            inner //= size
+            if stride:
+                index = index + (b // inner % size // divisor) * stride
+        return index
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """The shapes of one attention call, resolved once: output batch dims, lengths, head
+    dims, and each operand's batch layout."""
+    batch: tuple[int, ...]
+    L: int
+    S: int
+    E: int
+    Ev: int
+    kv_layout: _Layout
+    bias_layout: _Layout | None
+    bias_rows: int  # L, or 1 for a bias broadcast over the query rows
+
+    @property
+    def size(self):
+        return math.prod(self.batch)
+
+
+def attention_tile(L: int, S: int) -> tuple[int, int]:
+    """The tile the hardware PRNG is seeded per over a batch element's ``L x S`` plane:
+    :func:`tiling.hardware_tile` of the plane, at most 512 lanes wide so that a score block
+    of whole tiles stays small enough for VMEM."""
+    rows, cols = tiling.hardware_tile(L, S)
+    while cols > _HARDWARE_TILE_MAX_COLS:
+        cols //= 2
+        rows = min(rows * 2, 64) if tiling.round_up(L, tiling.SUBLANES) % min(rows * 2, 64) == 0 else rows
+    return rows, cols
+
+
+def _broadcast_batch(shapes, names):
+    batch = []
+    rank = max(len(shape) for shape in shapes)
+    for d in range(rank):
+        sizes = {shape[d - rank] for shape in shapes if d - rank >= -len(shape)} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"the batch dims of {', '.join(names)} do not broadcast: "
+                             f"{', '.join(str(tuple(s)) for s in shapes)}")
+        batch.append(sizes.pop() if sizes else 1)
+    return tuple(batch)
+
+
+def _layout(batch, operand_batch, group_dim=None, group=1) -> _Layout:
+    operand_batch = (1,) * (len(batch) - len(operand_batch)) + tuple(operand_batch)
+    strides = [math.prod(operand_batch[d + 1:]) for d in range(len(batch))]
+    dims = []
+    for d, (size, own) in enumerate(zip(batch, operand_batch)):
+        divisor = group if d == group_dim else 1
+        dims.append((0 if own == 1 and size != 1 else strides[d], divisor))
+    return _Layout(tuple(dims))
+
+
+def resolve_problem(query_shape, key_shape, value_shape, bias_shape=None, *, gqa: bool = False) -> _Problem:
+    """The batch dims, lengths and layouts of an attention call, checked as torch checks them.
+
+    Raises:
+        ValueError: operands of fewer than 2 dims, key and value of other lengths or batch
+            dims, head dims that differ between query and key, batch dims that do not
+            broadcast, a GQA head count that does not divide the query's, or a bias that does
+            not broadcast to ``(*batch, L, S)``.
+    """
+    for name, shape in (("query", query_shape), ("key", key_shape), ("value", value_shape)):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., length, head_dim), got shape {tuple(shape)}")
+    *query_batch, L, E = query_shape
+    *key_batch, S, key_E = key_shape
+    *value_batch, value_S, Ev = value_shape
+    if key_E != E:
+        raise ValueError(f"query and key must have the same last dim, got {tuple(query_shape)} and {tuple(key_shape)}")
+    if value_S != S or tuple(value_batch) != tuple(key_batch):
+        raise ValueError(f"key and value must agree in every dim but the last, got {tuple(key_shape)} and "
+                         f"{tuple(value_shape)}")
+    group_dim, group = None, 1
+    kv_batch = list(key_batch)
+    if gqa and len(query_batch) >= 1 and len(key_batch) >= 1:
+        query_heads, kv_heads = query_batch[-1], key_batch[-1]
+        if kv_heads == 0 or query_heads % kv_heads:
+            raise ValueError(f"enable_gqa needs the query's heads (dim -3, {query_heads}) to be a multiple of "
+                             f"the key's and value's ({kv_heads})")
+        group = query_heads // kv_heads
+        kv_batch[-1] = query_heads
+    batch = _broadcast_batch([tuple(query_batch), tuple(kv_batch)], ("query", "key and value"))
+    if gqa and group > 1:
+        group_dim = len(batch) - 1
+    kv_layout = _layout(batch, key_batch, group_dim, group)
+    bias_layout, bias_rows = None, L
+    if bias_shape is not None:
+        *bias_batch, bias_rows, bias_cols = (1,) * max(0, 2 - len(bias_shape)) + tuple(bias_shape)
+        if (bias_rows not in (1, L) or bias_cols not in (1, S) or len(bias_batch) > len(batch)
+                or any(own not in (1, size) for own, size in zip(bias_batch[::-1], batch[::-1]))):
+            raise ValueError(f"attn_mask of shape {tuple(bias_shape)} does not broadcast to the attention weights' "
+                             f"shape {(*batch, L, S)}")
+        bias_layout = _layout(batch, bias_batch)
+    return _Problem(tuple(batch), L, S, E, Ev, kv_layout, bias_layout, bias_rows)
+
+
+def _default_blocks(problem: _Problem, interpret: bool, backward: bool) -> AttentionBlocks:
+    if interpret:
+        # Few grid steps: each costs a fixed host overhead in interpret mode.
+        return AttentionBlocks(512, 512)
+    # The backward's score block feeds two more matrix products than the forward's.
+    return AttentionBlocks(128, 256) if backward else AttentionBlocks(256, 512)
+
+
+def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: str, interpret: bool,
+                   backward: bool = False) -> AttentionBlocks:
+    """``blocks`` (or the default) clamped to the lengths and checked as Mosaic wants them:
+    ``q`` a multiple of 8 or all of ``L``, ``kv`` a multiple of 128 or all of ``S``; for
+    ``impl="hardware"`` whole :func:`attention_tile` tiles (the default is rounded up to them).
+
+    Raises:
+        TypeError: ``blocks`` is not an :class:`AttentionBlocks`.
+        ValueError: a block Mosaic would reject, or not whole tiles for the hardware PRNG.
+    """
+    tile = attention_tile(problem.L, problem.S) if impl == prng.HARDWARE else None
+    if blocks is None:
+        blocks = _default_blocks(problem, interpret, backward)
+        if tile is not None:
+            blocks = AttentionBlocks(tiling.round_up(min(blocks.q, tiling.round_up(problem.L, tile[0])), tile[0]),
+                                     tiling.round_up(min(blocks.kv, tiling.round_up(problem.S, tile[1])), tile[1]))
+    elif not isinstance(blocks, AttentionBlocks):
+        raise TypeError(f"blocks must be an AttentionBlocks or None, got {type(blocks).__name__}")
+    if tile is not None:
+        if blocks.q % tile[0] or blocks.kv % tile[1]:
+            raise ValueError(f"blocks ({blocks.q}, {blocks.kv}) must be whole {tile} tiles for impl='hardware', "
+                             f"the tile its PRNG is seeded per over this {problem.L}x{problem.S} plane")
+        return blocks
+    q = min(blocks.q, problem.L)
+    kv = min(blocks.kv, problem.S)
+    if (q != problem.L and q % tiling.SUBLANES) or (kv != problem.S and kv % tiling.LANES):
+        raise ValueError(f"blocks: ({q}, {kv}) over a {problem.L}x{problem.S} score matrix is rejected by Mosaic "
+                         f"(TPU), on every platform: q must be a multiple of {tiling.SUBLANES} or L, kv a multiple "
+                         f"of {tiling.LANES} or S")
+    return AttentionBlocks(q, kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What every kernel of one call shares (hashable: it configures ``functools.partial``)."""
+    problem: _Problem
+    blocks: AttentionBlocks
+    dropout_p: float
+    impl: str
+    causal: bool
+    scale: float
+    wide: bool
+
+    @property
+    def tile(self):
+        return attention_tile(self.problem.L, self.problem.S)
+
+
+def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
+    """The (q, kv) block of scaled scores, float32, ``-inf`` where masked out (causal, padded
+    keys, the bias's ``-inf``), and its column validity."""
+    problem, blocks = static.problem, static.blocks
+    s = lax.dot_general(q, k, _TRANSPOSE_RHS, preferred_element_type=jnp.float32) * np.float32(static.scale)
+    if bias_ref is not None:
+        s = s + bias_ref[...].astype(jnp.float32)
+    shape = (blocks.q, blocks.kv)
+    valid = None
+    if static.causal or problem.S % blocks.kv:
+        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + kv_index * blocks.kv
+        if problem.S % blocks.kv:
+            valid = cols < problem.S
+        if static.causal:
+            rows = lax.broadcasted_iota(jnp.int32, shape, 0) + q_index * blocks.q
+            causal = cols <= rows
+            valid = causal if valid is None else valid & causal
+    if valid is not None:
+        s = jnp.where(valid, s, -jnp.inf)
+    return s
+
+
+def _keep_scale(static: _Static, key_ref, b, q_index, kv_index):
+    """float32 (q, kv): ``1 / (1 - p)`` where the element is kept, 0 where dropped."""
+    problem, blocks = static.problem, static.blocks
+    row0, col0 = q_index * blocks.q, kv_index * blocks.kv
+    if static.impl == prng.THREEFRY:
+        b = lax.convert_element_type(b, jnp.uint32)
+        base = prng.multiply_wide(b, problem.L * problem.S) if static.wide else b * np.uint32(problem.L * problem.S % 2**32)
+        bits = prng.chunk_bits(prng.THREEFRY, key_ref, (blocks.q, blocks.kv), row0, col0, problem.S, base,
+                               static.wide)
+    else:
+        tile = static.tile
+        tiles_per_row = pl.cdiv(problem.S, tile[1])
+        tiles_per_plane = pl.cdiv(problem.L, tile[0]) * tiles_per_row
+        first = b * tiles_per_plane + row0 // tile[0] * tiles_per_row + col0 // tile[1]
+        rows = []
+        for tile_row in range(blocks.q // tile[0]):
+            row = [prng.hardware_tile_bits(key_ref, first + tile_row * tiles_per_row + tile_col, tile)
+                   for tile_col in range(blocks.kv // tile[1])]
+            rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
+        bits = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+    keep = prng.bernoulli_from_bits(bits, np.float32(1.0 - static.dropout_p))
+    # dropout_p == 1 keeps nothing (the threshold is 0): its scale is never used.
+    kept = 1.0 / (1.0 - static.dropout_p) if static.dropout_p < 1 else 0.0
+    return jnp.where(keep, np.float32(kept), np.float32(0.0))
+
+
+def _runs(static: _Static, q_index, kv_index):
+    """Whether a (q, kv) block has any unmasked causal element: ``kv0 <= last row``."""
+    if not static.causal:
+        return True
+    return kv_index * static.blocks.kv <= q_index * static.blocks.q + static.blocks.q - 1
+
+
+def _last_needed_kv_block(static: _Static, q_index):
+    return (q_index * static.blocks.q + static.blocks.q - 1) // static.blocks.kv
+
+
+def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool):
+    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    out_ref, lse_ref, max_ref, sum_ref, acc_ref = refs
+    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(kv_index == 0)
+    def _():
+        max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(_runs(static, q_index, kv_index))
+    def _():
+        s = _score_block(static, q_ref[...], k_ref[...], bias_ref, q_index, kv_index)
+        previous_max = max_ref[...][:, :1]
+        new_max = jnp.maximum(previous_max, jnp.max(s, axis=1, keepdims=True))
+        # A row with no score above -inf yet subtracts 0, so its exponentials are 0, not NaN.
+        shift = jnp.where(new_max == -jnp.inf, np.float32(0.0), new_max)
+        p = jnp.exp(s - shift)
+        correction = jnp.exp(previous_max - shift)
+        sum_ref[...] = jnp.broadcast_to(correction * sum_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True),
+                                        sum_ref.shape)
+        max_ref[...] = jnp.broadcast_to(new_max, max_ref.shape)
+        if static.dropout_p:
+            p = p * _keep_scale(static, key_ref, b, q_index, kv_index)
+        v = v_ref[...]
+        acc_ref[...] = correction * acc_ref[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    @pl.when(kv_index == pl.num_programs(2) - 1)
+    def _():
+        total = sum_ref[...][:, :1]
+        empty = total == 0.0
+        # torch's safe softmax: a row with every score -inf attends to nothing.
+        out_ref[...] = (acc_ref[...] / jnp.where(empty, np.float32(1.0), total)).astype(out_ref.dtype)
+        lse = jnp.where(empty, jnp.inf, max_ref[...][:, :1] + jnp.log(jnp.where(empty, np.float32(1.0), total)))
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _padded(array, axis, length):
+    if array.shape[axis] == length:
+        return array
+    padding = [(0, 0)] * array.ndim
+    padding[axis] = (0, length - array.shape[axis])
+    return jnp.pad(array, padding)
+
+
+def _flatten(array, batch):
+    """``array`` (*batch', rows, cols) as (prod(batch'), rows, cols)."""
+    return array.reshape(-1, *array.shape[-2:]) if array.ndim >= 2 else array.reshape(1, 1, -1)
+
+
+def _prepare_bias(bias, problem: _Problem, S_padded: int, dtype):
+    """The bias as (batch', rows, S_padded): a boolean mask as 0 / -inf, the key dim broadcast
+    and padded (padded keys are masked in the kernel anyway)."""
+    if bias is None:
+        return None
+    if bias.dtype == jnp.bool_:
+        bias = jnp.where(bias, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))
+    bias = bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)
+    if bias.shape[-1] != problem.S:
+        bias = jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))
+    return _padded(_flatten(bias, None), 2, S_padded)
+
+
+def _compiler_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _specs(static: _Static, has_bias: bool, kv_major: bool):
+    """BlockSpecs of (key data, q, k, v, bias) for a grid (b, q block, kv block), or
+    (b, kv block, q block) with ``kv_major``."""
+    problem, blocks = static.problem, static.blocks
+
+    def ordered(function):
+        if kv_major:
+            return lambda b, kv_index, q_index: function(b, q_index, kv_index)
+        return function
+
+    def kv_block(q_index, kv_index):
+        # Causal blocks past the diagonal are skipped: keep fetching the last one needed, so
+        # no copy starts for them.
+        if static.causal and not kv_major:
+            return jnp.minimum(kv_index, _last_needed_kv_block(static, q_index))
+        return kv_index
+
+    def q_block(q_index, kv_index):
+        if static.causal and kv_major:
+            # The first query block that sees this key block.
+            first = kv_index * blocks.kv // blocks.q
+            return jnp.maximum(q_index, first)
+        return q_index
+
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    q_spec = pl.BlockSpec((None, blocks.q, problem.E), ordered(lambda b, i, j: (b, q_block(i, j), 0)))
+    k_spec = pl.BlockSpec((None, blocks.kv, problem.E),
+                          ordered(lambda b, i, j: (problem.kv_layout.index(problem.batch, b), kv_block(i, j), 0)))
+    v_spec = pl.BlockSpec((None, blocks.kv, problem.Ev),
+                          ordered(lambda b, i, j: (problem.kv_layout.index(problem.batch, b), kv_block(i, j), 0)))
+    specs = [smem, q_spec, k_spec, v_spec]
+    if has_bias:
+        rows = blocks.q if problem.bias_rows != 1 else 1
+        specs.append(pl.BlockSpec(
+            (None, rows, blocks.kv),
+            ordered(lambda b, i, j: (problem.bias_layout.index(problem.batch, b),
+                                     q_block(i, j) if rows != 1 else 0, kv_block(i, j)))))
+    return specs, ordered, q_block
+
+
+def _noise_key(key_data, impl):
+    return prng.hardware_key_data(key_data) if impl == prng.HARDWARE else key_data
+
+
+def _static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward):
+    blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward)
+    wide = impl == prng.THREEFRY and problem.size * problem.L * problem.S > 2**32
+    return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide)
+
+
+def _check_options(dropout_p, impl, interpret):
+    dropout_p = arguments.check_probability(dropout_p, "dropout_p")
+    prng.check_can_run(impl, interpret)
+    return dropout_p
+
+
+def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: float = 0.0,
+                      impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
+                      gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None):
+    """The attention output and the float32 row log-sum-exp ``(*batch, L)`` (``inf`` for a
+    row that attends to nothing) the backward pass needs; see the module docstring.
+
+    Args:
+        key_data: int32 (2,) threefry key words; unused when ``dropout_p == 0``.
+        query, key, value: ``(*batch, L, E)``, ``(*batch', S, E)``, ``(*batch', S, Ev)``, one
+            float dtype (float32, bfloat16, float16).
+        bias: optional additive float mask, or a boolean mask (True takes part), broadcastable
+            to ``(*batch, L, S)``.
+        dropout_p: probability of dropping an attention weight, in [0, 1).
+        impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
+        causal: keep only ``s <= l``; no ``bias`` with it.
+        scale: the scores' factor; default ``1 / sqrt(E)``.
+        gqa: repeat the key's and value's heads (dim -3) to the query's.
+        interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
+        blocks: the forward kernel's :class:`AttentionBlocks` (default per platform).
+
+    Returns:
+        ``(output (*batch, L, Ev) in query's dtype, log-sum-exp (*batch, L) float32)``.
+    """
+    dropout_p = _check_options(dropout_p, impl, interpret)
+    problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
+    scale = 1.0 / math.sqrt(problem.E) if scale is None else scale
+    if query.dtype == jnp.float16:
+        out, lse = attention_forward(key_data, *tiling.widen_float16(query, key, value), bias=None if bias is None
+                                     else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32)),
+                                     dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa,
+                                     interpret=interpret, blocks=blocks)
+        return out.astype(query.dtype), lse
+    static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+                     interpret=interpret, backward=False)
+    blocks = static.blocks
+    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
+    q = _padded(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E)).reshape(
+        problem.size, problem.L, problem.E), 1, L_padded)
+    k = _padded(_flatten(key, None), 1, S_padded)
+    v = _padded(_flatten(value, None), 1, S_padded)
+    bias = _prepare_bias(bias, problem, S_padded, query.dtype)
+    if bias is not None and problem.bias_rows != 1:
+        bias = _padded(bias, 1, L_padded)
+    specs, _, _ = _specs(static, bias is not None, kv_major=False)
+    grid = (problem.size, L_padded // blocks.q, S_padded // blocks.kv)
+    out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, static=static, has_bias=bias is not None),
+        grid=grid,
+        in_specs=specs,
+        out_specs=[pl.BlockSpec((None, blocks.q, problem.Ev), out_index),
+                   pl.BlockSpec((None, blocks.q, ROW_STAT_LANES), out_index)],
+        out_shape=[jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
+                   jax.ShapeDtypeStruct((problem.size, L_padded, ROW_STAT_LANES), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
+                        pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
+                        pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
+        compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(*[_noise_key(key_data, impl), q, k, v, *([] if bias is None else [bias])])
+    out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
+    return out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)
+
+
+def _probabilities(static: _Static, s, lse):
+    # lse is inf for rows that attend to nothing (and padded rows): their weights are 0.
+    return jnp.exp(s - lse)
+
+
+def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool):
+    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    grad_out_ref, lse_ref, delta_ref, grad_k_ref, grad_v_ref, grad_k_acc, grad_v_acc = refs
+    b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(q_index == 0)
+    def _():
+        grad_k_acc[...] = jnp.zeros(grad_k_acc.shape, jnp.float32)
+        grad_v_acc[...] = jnp.zeros(grad_v_acc.shape, jnp.float32)
+
+    @pl.when(_runs(static, q_index, kv_index))
+    def _():
+        q, grad_out = q_ref[...], grad_out_ref[...]
+        s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
+        p = _probabilities(static, s, lse_ref[...][:, :1])
+        v = v_ref[...]
+        grad_p = lax.dot_general(grad_out, v, _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        dropped = p
+        if static.dropout_p:
+            keep_scale = _keep_scale(static, key_ref, b, q_index, kv_index)
+            dropped = p * keep_scale
+            grad_p = grad_p * keep_scale
+        grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
+        grad_s = p * (grad_p - delta_ref[...][:, :1])
+        grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
+    @pl.when(q_index == pl.num_programs(2) - 1)
+    def _():
+        grad_k_ref[...] = (grad_k_acc[...] * np.float32(static.scale)).astype(grad_k_ref.dtype)
+        grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
+
+
+def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, bias_grad: bool):
+    bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
+    grad_out_ref, lse_ref, delta_ref, grad_q_ref, *refs = refs
+    grad_bias_ref, grad_q_acc = refs if bias_grad else (None, refs[0])
+    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(kv_index == 0)
+    def _():
+        grad_q_acc[...] = jnp.zeros(grad_q_acc.shape, jnp.float32)
+
+    runs = _runs(static, q_index, kv_index)
+
+    @pl.when(runs)
+    def _():
+        k = k_ref[...]
+        s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
+        p = _probabilities(static, s, lse_ref[...][:, :1])
+        grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        if static.dropout_p:
+            grad_p = grad_p * _keep_scale(static, key_ref, b, q_index, kv_index)
+        grad_s = p * (grad_p - delta_ref[...][:, :1])
+        if bias_grad:
+            grad_bias_ref[...] = grad_s
+        grad_q_acc[...] += jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    if bias_grad:
+        @pl.when(jnp.logical_not(runs))
+        def _():
+            grad_bias_ref[...] = jnp.zeros(grad_bias_ref.shape, jnp.float32)
+
+    @pl.when(kv_index == pl.num_programs(2) - 1)
+    def _():
+        grad_q_ref[...] = (grad_q_acc[...] * np.float32(static.scale)).astype(grad_q_ref.dtype)
+
+
+def _sum_to(grad, problem: _Problem, operand_batch):
+    """A per-output-batch gradient (*batch, rows, cols) summed to an operand's batch dims
+    (broadcast dims, GQA groups)."""
+    operand_batch = tuple(operand_batch)
+    if operand_batch == problem.batch:
+        return grad
+    rank = len(problem.batch)
+    padded = (1,) * (rank - len(operand_batch)) + operand_batch
+    shape = []
+    for size, own in zip(problem.batch, padded):
+        shape.extend((own, size // own) if own != 1 else (1, size))
+    grad = grad.reshape(*shape, *grad.shape[-2:]).sum(axis=tuple(range(1, 2 * rank, 2)))
+    return grad.reshape(*operand_batch, *grad.shape[-2:])
+
+
+def attention_backward(key_data, query, key, value, bias, out, lse, grad_out, *, dropout_p: float = 0.0,
+                       impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
+                       gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
+                       bias_grad: bool = False):
+    """Gradients of :func:`attention_forward`'s output with respect to query, key and value
+    (and, with ``bias_grad``, the float bias, summed to its shape), given the forward's
+    ``out`` and ``lse`` and the same options. ``blocks`` are the backward kernels' own,
+    independent of the forward's: the mask is regenerated, not read.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value)``, plus ``grad_bias`` with ``bias_grad``.
+    """
+    dropout_p = _check_options(dropout_p, impl, interpret)
+    problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
+    scale = 1.0 / math.sqrt(problem.E) if scale is None else scale
+    options = dict(dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=interpret,
+                   blocks=blocks, bias_grad=bias_grad)
+    if query.dtype == jnp.float16:
+        wide_bias = None if bias is None else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32))
+        grads = attention_backward(key_data, *tiling.widen_float16(query, key, value), wide_bias,
+                                   *tiling.widen_float16(out), lse, *tiling.widen_float16(grad_out), **options)
+        return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
+    static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+                     interpret=interpret, backward=True)
+    blocks = static.blocks
+    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
+    rows = (problem.size, problem.L)
+
+    def per_row(array):
+        return _padded(array.reshape(*rows, -1), 1, L_padded)
+
+    full = (*problem.batch, problem.L)
+    q = per_row(jnp.broadcast_to(query, (*full, problem.E)))
+    grad_out = per_row(grad_out.astype(query.dtype))
+    delta = jnp.sum(grad_out.astype(jnp.float32) * per_row(out).astype(jnp.float32), axis=-1, keepdims=True)
+    lse_rows = jnp.pad(lse.reshape(rows), ((0, 0), (0, L_padded - problem.L)), constant_values=jnp.inf)
+    lse_rows = jnp.broadcast_to(lse_rows[..., None], (*lse_rows.shape, ROW_STAT_LANES))
+    delta = jnp.broadcast_to(delta, (problem.size, L_padded, ROW_STAT_LANES))
+    k = _padded(_flatten(key, None), 1, S_padded)
+    v = _padded(_flatten(value, None), 1, S_padded)
+    prepared_bias = _prepare_bias(bias, problem, S_padded, query.dtype)
+    if prepared_bias is not None and problem.bias_rows != 1:
+        prepared_bias = _padded(prepared_bias, 1, L_padded)
+    has_bias = prepared_bias is not None
+    operands = [_noise_key(key_data, impl), q, k, v, *([prepared_bias] if has_bias else []), grad_out, lse_rows, delta]
+    num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
+
+    specs, ordered, q_block = _specs(static, has_bias, kv_major=True)
+    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes),  # noqa: E731
+                                          ordered(lambda b, i, j: (b, q_block(i, j), 0)))
+    per_key = lambda lanes: pl.BlockSpec((None, blocks.kv, lanes), lambda b, j, i: (b, j, 0))  # noqa: E731
+    grad_k, grad_v = pl.pallas_call(
+        functools.partial(_key_value_kernel, static=static, has_bias=has_bias),
+        grid=(problem.size, num_kv, num_q),
+        in_specs=[*specs, row_spec(problem.Ev), row_spec(ROW_STAT_LANES), row_spec(ROW_STAT_LANES)],
+        out_specs=[per_key(problem.E), per_key(problem.Ev)],
+        out_shape=[jax.ShapeDtypeStruct((problem.size, S_padded, problem.E), jnp.float32),
+                   jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((blocks.kv, problem.E), jnp.float32),
+                        pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
+        compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(*operands)
+
+    specs, ordered, _ = _specs(static, has_bias, kv_major=False)
+    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
+    out_specs = [row_spec(problem.E)]
+    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype)]
+    if bias_grad:
+        out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
+        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
+    grads = pl.pallas_call(
+        functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad),
+        grid=(problem.size, num_q, num_kv),
+        in_specs=[*specs, row_spec(problem.Ev), row_spec(ROW_STAT_LANES), row_spec(ROW_STAT_LANES)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],
+        compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(*operands)
+
+    kv_batch = key.shape[:-2]
+    grad_q = _sum_to(grads[0][:, :problem.L].reshape(*full, problem.E), problem, query.shape[:-2])
+    grad_k = _sum_to(grad_k[:, :problem.S].reshape(*problem.batch, problem.S, problem.E),
+                     problem, kv_batch).astype(key.dtype)
+    grad_v = _sum_to(grad_v[:, :problem.S].reshape(*problem.batch, problem.S, problem.Ev),
+                     problem, kv_batch).astype(value.dtype)
+    result = (grad_q.astype(query.dtype), grad_k, grad_v)
+    if bias_grad:
+        grad_bias = grads[1][:, :problem.L, :problem.S].reshape(*problem.batch, problem.L, problem.S)
+        result += (_sum_bias(grad_bias, bias.shape).astype(bias.dtype),)
+    return result
+
+
+def _sum_bias(grad, bias_shape):
+    """The weights' gradient (*batch, L, S) summed to a broadcast bias's shape."""
+    rank = grad.ndim
+    padded = (1,) * (rank - len(bias_shape)) + tuple(bias_shape)
+    axes = tuple(d for d, (size, own) in enumerate(zip(grad.shape, padded)) if own == 1 and size != 1)
+    axes += tuple(range(rank - len(bias_shape)))
+    return grad.sum(axis=tuple(sorted(set(axes))), keepdims=True).reshape(bias_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
+def attention(key_data, query, key, value, bias, dropout_p=0.0, impl=prng.THREEFRY, causal=False, scale=None,
+              gqa=False, interpret=True, blocks=None, backward_blocks=None):
+    """:func:`attention_forward`'s output, differentiable with ``jax.grad`` (query, key,
+    value; a float bias too) through :func:`attention_backward` with ``backward_blocks``."""
+    return attention_forward(key_data, query, key, value, bias, dropout_p=dropout_p, impl=impl, causal=causal,
+                             scale=scale, gqa=gqa, interpret=interpret, blocks=blocks)[0]
+
+
+def _attention_fwd(key_data, query, key, value, bias, dropout_p, impl, causal, scale, gqa, interpret, blocks,
+                   backward_blocks):
+    out, lse = attention_forward(key_data, query, key, value, bias, dropout_p=dropout_p, impl=impl, causal=causal,
+                                 scale=scale, gqa=gqa, interpret=interpret, blocks=blocks)
+    return out, (key_data, query, key, value, bias, out, lse)
+
+
+def _attention_bwd(dropout_p, impl, causal, scale, gqa, interpret, blocks, backward_blocks, residuals, grad_out):
+    key_data, query, key, value, bias, out, lse = residuals
+    bias_grad = bias is not None and bias.dtype != jnp.bool_
+    grads = attention_backward(key_data, query, key, value, bias, out, lse, grad_out, dropout_p=dropout_p,
+                               impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=interpret,
+                               blocks=backward_blocks, bias_grad=bias_grad)
+    grad_bias = grads[3] if bias_grad else None
+    return (None, *grads[:3], grad_bias)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
