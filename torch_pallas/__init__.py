@@ -7,11 +7,12 @@ imported before anything that imports JAX.
 from torch_pallas import bridge  # noqa: F401  (first: see above)
 from torch_pallas import packing, random, seeds  # noqa: F401
 from torch_pallas import nn  # noqa: F401
+from torch_pallas.attention import scaled_dot_product_attention
 from torch_pallas.checkpointing import checkpoint
 from torch_pallas.functional import dropout, dropout1d, dropout2d, dropout3d, dropout_add, indrnn
 from torch_pallas.nn import convert_dropout
 from torch_pallas.routing import route_dropout
 
 __all__ = ["checkpoint", "dropout", "dropout_add", "dropout1d", "dropout2d", "dropout3d", "indrnn", "convert_dropout",
-           "route_dropout", "nn", "packing", "random", "seeds"]
+           "route_dropout", "scaled_dot_product_attention", "nn", "packing", "random", "seeds"]
 __version__ = "0.1.0"

@@ -11,6 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from torch_pallas import _checks, bridge
 from torch_pallas import functional
+from torch_pallas.attention import scaled_dot_product_attention
+from torch_pallas.kernels import arguments
 
 __all__ = ["route_dropout"]
 
@@ -22,8 +24,12 @@ _DROPOUTS = {
     F.dropout2d: (inspect.signature(F.dropout2d), functional.dropout2d),
     F.dropout3d: (inspect.signature(F.dropout3d), functional.dropout3d),
 }
-_SDPA_WARNING = ("torch_pallas.route_dropout: scaled_dot_product_attention's dropout_p is applied inside "
-                 "torch's attention kernel with torch's RNG and is not routed to torch_pallas")
+_SDPA_SIGNATURE = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None)
+_SDPA_WARNING = ("torch_pallas.route_dropout: this scaled_dot_product_attention call's dropout_p is applied by torch "
+                 "with torch's RNG: {reason}")
+# Which F.scaled_dot_product_attention calls route_dropout runs as torch_pallas's.
+ATTENTION_ROUTES = ("dropout", "all", "none")
 
 
 class route_dropout(TorchFunctionMode):
@@ -38,15 +44,20 @@ class route_dropout(TorchFunctionMode):
     that are not floating point, go to torch unchanged. Keys come from the RNG of the
     input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
     :func:`torch_pallas.checkpoint`).
-    Dropout inside ``F.scaled_dot_product_attention(..., dropout_p > 0)`` cannot be
-    routed: a warning says so (once per call site).
+    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA tensors of a dtype it
+    takes runs as :func:`torch_pallas.scaled_dot_product_attention` (flash kernels, the
+    mask from a key; transformers models' default ``sdpa`` attention); other calls with
+    ``dropout_p > 0`` stay torch's and warn once per call site.
 
     Args:
         impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
             :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
+        attention (str): which ``F.scaled_dot_product_attention`` calls on XLA tensors run
+            as torch_pallas's: ``"dropout"`` (default) those with ``dropout_p > 0``,
+            ``"all"`` every one (evaluation too), ``"none"`` none.
 
     Raises:
-        ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
+        ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
 
     Example::
 
@@ -55,10 +66,11 @@ class route_dropout(TorchFunctionMode):
         >>> loss.backward()                  # masks regenerated from their keys
     """
 
-    def __init__(self, *, impl=None):
+    def __init__(self, *, impl=None, attention: str = "dropout"):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
+        self.attention = arguments.check_one_of("attention", attention, ATTENTION_ROUTES)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,7 +81,30 @@ class route_dropout(TorchFunctionMode):
             input, p, training = call.args[:3]
             if input.is_floating_point() and bridge.runs_on(input.device):
                 return ours(input, p, training, call.arguments.get("inplace", False), impl=self.impl)
-        elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
-            # No state kept here, so that dynamo has nothing to guard on and recompile for.
-            _checks.warn(_SDPA_WARNING, stacklevel=2)
+        elif func is F.scaled_dot_product_attention and self.attention != "none":
+            call = _SDPA_SIGNATURE.bind(*args, **kwargs)
+            call.apply_defaults()
+            dropout_p = call.arguments["dropout_p"]
+            if dropout_p or self.attention == "all":
+                refusal = _attention_refusal(**call.arguments)
+                if refusal is None:
+                    return scaled_dot_product_attention(**call.arguments, impl=self.impl)
+                if dropout_p:
+                    # No state kept here, so that dynamo has nothing to guard on and recompile for.
+                    _checks.warn(_SDPA_WARNING.format(reason=refusal), stacklevel=2)
         return func(*args, **kwargs)
+
+
+def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+    """Why an SDPA call stays torch's (``None``: it is routed). Calls torch would reject go
+    to torch, which raises its own error."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type != "xla":
+        return "its tensors are not on an XLA device"
+    if query.dtype not in _checks.FLOAT_DTYPES:
+        return f"torch_pallas's attention takes float32, bfloat16 and float16, not {query.dtype}"
+    if any(t.dtype != query.dtype or t.device != query.device for t in tensors[1:]):
+        return "query, key and value differ in dtype or device"
+    if attn_mask is not None and (attn_mask.dtype not in (torch.bool, query.dtype) or is_causal):
+        return "its attn_mask is of another dtype, or comes with is_causal"
+    return None

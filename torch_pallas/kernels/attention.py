@@ -562,7 +562,7 @@ def _sum_to(grad, problem: _Problem, operand_batch):
     return grad.reshape(*operand_batch, *grad.shape[-2:])
 
 
-def attention_backward(key_data, query, key, value, bias, out, lse, grad_out, *, dropout_p: float = 0.0,
+def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p: float = 0.0,
                        impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
                        gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
                        bias_grad: bool = False):
@@ -581,8 +581,8 @@ def attention_backward(key_data, query, key, value, bias, out, lse, grad_out, *,
                    blocks=blocks, bias_grad=bias_grad)
     if query.dtype == jnp.float16:
         wide_bias = None if bias is None else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32))
-        grads = attention_backward(key_data, *tiling.widen_float16(query, key, value), wide_bias,
-                                   *tiling.widen_float16(out), lse, *tiling.widen_float16(grad_out), **options)
+        grads = attention_backward(key_data, *tiling.widen_float16(query, key, value, out), lse,
+                                   *tiling.widen_float16(grad_out), wide_bias, **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
     static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True)
@@ -685,7 +685,7 @@ def _attention_fwd(key_data, query, key, value, bias, dropout_p, impl, causal, s
 def _attention_bwd(dropout_p, impl, causal, scale, gqa, interpret, blocks, backward_blocks, residuals, grad_out):
     key_data, query, key, value, bias, out, lse = residuals
     bias_grad = bias is not None and bias.dtype != jnp.bool_
-    grads = attention_backward(key_data, query, key, value, bias, out, lse, grad_out, dropout_p=dropout_p,
+    grads = attention_backward(key_data, query, key, value, out, lse, grad_out, bias, dropout_p=dropout_p,
                                impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=interpret,
                                blocks=backward_blocks, bias_grad=bias_grad)
     grad_bias = grads[3] if bias_grad else None

@@ -1,0 +1,109 @@
+"""The public attention function: :func:`scaled_dot_product_attention`, torch's, in flash
+Pallas kernels whose dropout mask is regenerated from an 8-byte key."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from torch_pallas import _checks, seeds
+from torch_pallas.ops import attention as attention_op
+
+__all__ = ["scaled_dot_product_attention"]
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+                                 seed=None, generator=None, impl=None) -> torch.Tensor:
+    r"""Attention with dropout in flash kernels, as
+    :func:`torch.nn.functional.scaled_dot_product_attention` computes it:
+    ``dropout(softmax(query @ key.transpose(-2, -1) * scale + attn_mask), dropout_p) @ value``.
+
+    The ``L x S`` attention weights never reach device memory: a forward Pallas kernel walks
+    blocks of keys with an online softmax and saves the output, the row log-sum-exp and the
+    key of the dropout mask (8 bytes); the backward kernels recompute the weights and
+    regenerate the mask. torch's own attention on an XLA device is its math path, which
+    materialises the weights and keeps a mask as large for the backward pass.
+
+    With ``impl="threefry"`` the mask is bit for bit ``jax.random.bernoulli(jax.random.key(seed),
+    1 - dropout_p, (*batch, L, S))``, the mask :func:`torch_pallas.dropout` draws for the
+    weights with the same seed: attention written out with ``torch_pallas.dropout`` on the
+    weights gives the same result (to float rounding). ``impl="hardware"`` (TPU) seeds the
+    TPU's PRNG per tile of each ``L x S`` plane (README, noise contract).
+
+    Args:
+        query (Tensor): ``(*batch, L, E)``; float32, bfloat16 or float16 (computed in float32
+            in the kernels), on an XLA device or the CPU.
+        key (Tensor): ``(*batch, S, E)``, query's dtype and device; batch dims broadcast.
+        value (Tensor): ``(*batch, S, Ev)``, likewise.
+        attn_mask (Tensor, optional): broadcastable to ``(*batch, L, S)``: boolean (True
+            takes part) or a float mask of query's dtype added to the scores (it gets a
+            gradient if it requires one). A row with nothing to attend to gives zeros, as
+            torch's.
+        dropout_p (float): probability of dropping an attention weight, in :math:`[0, 1]`.
+            Applied whenever it is above 0 (as torch's: pass 0 in evaluation).
+        is_causal (bool): attend to ``s <= l`` only (top-left aligned, as torch's); not with
+            ``attn_mask``.
+        scale (float, optional): the scores' factor; default :math:`1/\sqrt{E}`.
+        enable_gqa (bool): grouped-query attention: key's and value's heads (dim -3) are
+            repeated to the query's, which must be a multiple of them.
+        seed, generator, impl: as for :func:`torch_pallas.dropout` (used when
+            ``dropout_p > 0``).
+
+    Returns:
+        Tensor: ``(*batch, L, Ev)`` in query's dtype.
+
+    Raises:
+        TypeError: a non-tensor, a dtype other than float32, bfloat16 or float16, operands
+            of different dtypes, an ``attn_mask`` neither boolean nor of query's dtype, or a
+            wrong type of ``dropout_p``, ``scale``, ``seed`` or ``generator``.
+        ValueError: shapes that do not fit (as torch checks them), ``attn_mask`` with
+            ``is_causal``, operands on different devices or on a device torch_pallas does not run
+            on, ``dropout_p`` outside :math:`[0, 1]`, and the seed and impl errors of
+            :func:`torch_pallas.dropout`.
+
+    Example::
+
+        >>> q = torch.randn(2, 8, 128, 64, device=torch_xla.device(), requires_grad=True)
+        >>> out = torch_pallas.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+        >>> out.sum().backward()   # the mask regenerated from its key
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _checks.check_float_tensor(tensor, name)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device} and "
+                         f"{value.device}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype not in (torch.bool, query.dtype):
+            raise TypeError(f"attn_mask must be boolean or of query's dtype {query.dtype}, got {attn_mask.dtype}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask must be on query's device {query.device}, got {attn_mask.device}")
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be combined (as in torch): put the causal "
+                             "mask into attn_mask")
+    dropout_p = _checks.check_probability(dropout_p, "dropout_p")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    impl = _checks.resolve_impl(impl)
+    try:
+        out_shape, _ = attention_op.output_shapes(query, key, value, attn_mask, bool(enable_gqa))
+    except ValueError as error:
+        raise ValueError(f"scaled_dot_product_attention: {error}") from None
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if dropout_p > 0:
+        key_data = seeds.key_data(seed=seed, generator=generator, device=query.device)
+    else:
+        seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
+        key_data = seeds.key_data_from_seed(0, query.device)
+    if math.prod(out_shape) == 0 or key.shape[-2] == 0:
+        # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
+        return query.new_zeros(out_shape)
+    return attention_op.apply(query, key, value, attn_mask, key_data, dropout_p, impl, bool(is_causal), scale,
+                              bool(enable_gqa))

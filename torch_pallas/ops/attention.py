@@ -1,0 +1,125 @@
+"""``torch_pallas::attention`` and its backward: flash attention with dropout as
+differentiable ops. The forward saves its output, the float32 row log-sum-exp and the 8-byte
+key; the backward kernels recompute the probabilities and regenerate the mask.
+
+:func:`apply` is the differentiable entry point (autograd, ``torch.func``'s reverse-mode
+transforms, ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from torch_pallas import bridge
+from torch_pallas.ops import _autograd
+from torch_pallas.kernels import attention as attention_kernels
+
+
+def _blocks(blocks):
+    return None if blocks is None else attention_kernels.AttentionBlocks(*blocks)
+
+
+def _mask_operand(attn_mask):
+    return () if attn_mask is None else (attn_mask,)
+
+
+@torch.library.custom_op("torch_pallas::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+              key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
+              blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, float32 row log-sum-exp ``(*batch, L)``) of
+    :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked, shapes not
+    empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward and the
+    backward kernels, or ``None`` for the default; the mask depends on neither."""
+    return bridge.call(attention_kernels.attention_forward, key_data, query, key, value, *_mask_operand(attn_mask),
+                       dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale, gqa=enable_gqa,
+                       blocks=_blocks(blocks))
+
+
+def output_shapes(query, key, value, attn_mask, enable_gqa):
+    """The output's and the log-sum-exp's shapes (:func:`attention_kernels.resolve_problem`)."""
+    problem = attention_kernels.resolve_problem(query.shape, key.shape, value.shape,
+                                                None if attn_mask is None else attn_mask.shape, gqa=enable_gqa)
+    return (*problem.batch, problem.L, problem.Ev), (*problem.batch, problem.L)
+
+
+@attention.register_fake
+def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, *blocks):
+    out_shape, lse_shape = output_shapes(query, key, value, attn_mask, enable_gqa)
+    return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("torch_pallas::attention_backward", mutates_args=())
+def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                       key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
+                       enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool) -> list[torch.Tensor]:
+    """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
+    float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
+    return list(bridge.call(attention_kernels.attention_backward, key_data, query, key, value, out, lse, grad_out,
+                            *_mask_operand(attn_mask), dropout_p=dropout_p, impl=impl,
+                            causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks),
+                            bias_grad=mask_grad))
+
+
+@attention_backward.register_fake
+def _(grad_out, query, key, value, attn_mask, *options):
+    mask_grad = options[-1]
+    grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+    return grads + ([torch.empty_like(attn_mask)] if mask_grad else [])
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _, backward_blocks = inputs
+    out, lse = output
+    ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
+    # What the backward recomputes from: no L x S matrix, the mask from its 8-byte key.
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, key_data)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, out, lse, key_data = ctx.saved_tensors
+    mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+    grads = attention_backward(grad_out.contiguous(), query, key, value, attn_mask, out, lse, key_data,
+                               *ctx.options, mask_grad)
+    grad_mask = grads[3] if mask_grad else None
+    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
+
+    forward = staticmethod(attention)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(once_differentiable(_backward))  # no kernel for a second derivative
+    generate_vmap_rule = True
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "torch_pallas.scaled_dot_product_attention has no forward-mode AD (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use reverse mode: torch.func.grad, vjp or jacrev")
+
+
+def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+          key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
+          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The output of :func:`attention`, differentiable under autograd, ``torch.func``'s
+    reverse-mode transforms and ``torch.compile``."""
+    if attn_mask is not None and torch.compiler.is_compiling():
+        # The mask is saved for the backward pass. Models hand every layer a no-op view of
+        # one mask (transformers slices it to the key length), and torch_xla 2.9's dynamo
+        # bridge returns graph outputs that are views of one tensor as one output, shifting
+        # every later output (a compiled GPT-2 returned its logits as the loss). An op per
+        # call gives each layer's saved mask its own value.
+        attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
+    out, _ = _autograd.call(_Attention, attention, query, key, value, attn_mask, key_data, dropout_p, impl,
+                            is_causal, scale, enable_gqa, blocks, backward_blocks)
+    return out
