@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jax._src import prng as jax_prng
 from jax._src.interpreters import mlir
 
+from torch_pallas.kernels import prng
+
 # Seeds with and without high bits: the high word must reach the key.
 SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
 
@@ -104,3 +106,12 @@ def indrnn_reference_with_lengths(x, weight, h0, lengths, grad_output, grad_h_n,
         results[2][:steps, row], results[4][row] = grad_x, grad_h0
         results[3] += grad_weight
     return tuple(results)
+
+
+def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
+    """A stand-in for the TPU's hardware PRNG, which cannot run on CPU: like it, a function of
+    the two words ``prng_seed`` gets for the tile (here threefry of them over the tile)."""
+    seed = [jax.lax.bitcast_convert_type(word, jnp.uint32)
+            for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
+    rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, tile, d) for d in (0, 1))
+    return prng.threefry_bits(*seed, rows * np.uint32(tile[1]) + cols)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import SEEDS, as_bits, jax_key, jax_random_part, key_data, offset_words, ulp_distance
+from reference import (SEEDS, as_bits, emulated_hardware_tile_bits, jax_key, jax_random_part, key_data, offset_words,
+                       ulp_distance)
 from torch_pallas.kernels import elementwise, prng, sampling, tiling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
@@ -225,23 +226,6 @@ def test_shards_the_kernel_cannot_follow_are_refused():
     with pytest.raises(ValueError, match="at most two split dims"):
         sampling.uniform(key_data(0), (2, 2, 2, 128), interpret=True, global_shape=(2, 4, 4, 256),
                          shard_offset=np.zeros(2, np.int32))
-
-
-def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
-    """A stand-in for the TPU's hardware PRNG, which cannot run on CPU: like it, a function of
-    the two words ``prng_seed`` gets for the tile (here threefry of them over the tile)."""
-    seed = [jax.lax.bitcast_convert_type(word, jnp.uint32)
-            for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
-    rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, tile, d) for d in (0, 1))
-    return prng.threefry_bits(*seed, rows * np.uint32(tile[1]) + cols)
-
-
-@pytest.fixture
-def emulated_hardware_prng(monkeypatch):
-    """``impl="hardware"`` runs in interpret mode with :func:`emulated_hardware_tile_bits`: which
-    tile of the whole tensor each element's bits come from is then checked on CPU."""
-    monkeypatch.setattr(prng, "hardware_tile_bits", emulated_hardware_tile_bits)
-    monkeypatch.setattr(prng, "check_can_run", lambda impl, interpret: prng.check_impl(impl))
 
 
 def as_int32(bits):

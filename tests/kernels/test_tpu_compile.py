@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import NEEDS_LIBTPU, ON_TPU
-from torch_pallas.kernels import dropout, indrnn, prng, sampling
+from torch_pallas.kernels import attention, dropout, indrnn, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
 
@@ -219,6 +219,39 @@ def test_mosaic_ir_version_pinned_by_the_bridge_is_accepted(generation):
             compile_for_tpu(lambda key_data: kernel(key_data), KEY, generation=generation)
     finally:
         xla_bridge.FORCE_FORWARD_COMPAT_LOWERING_PLATFORMS.add("tpu")
+
+
+def attention_forward_and_backward(key_data, query, key, value, *bias, **options):
+    """The forward and both backward kernels of one attention call, with their default blocks."""
+    def function(query, key, value):
+        return attention.attention(key_data, query, key, value, *bias or (None,), interpret=False, **options)
+    out, pullback = jax.vjp(function, query, key, value)
+    return out, pullback(out)
+
+
+# (L, S, head dim) x heads: ragged lengths, and 2048 tokens with the default blocks at their largest.
+ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "2048-head-128": ((1, 2, 2048, 128),) * 2}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("impl", prng.IMPLS)
+def test_attention(generation, impl, dtype):
+    """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype."""
+    for name in ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged",):
+        query_shape, key_shape = ATTENTION_SHAPES[name]
+        query, key = (jax.ShapeDtypeStruct(shape, DTYPES[dtype]) for shape in (query_shape, key_shape))
+        compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl=impl, causal=True),
+                 KEY, query, key, key, generation=generation)
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_attention_with_a_broadcast_mask_and_gqa(generation, mask):
+    query = jax.ShapeDtypeStruct((2, 4, 1000, 64), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct((2, 2, 700, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((2, 1, 1000, 700) if mask == "bool" else (2, 1, 1, 700),
+                                jnp.bool_ if mask == "bool" else jnp.bfloat16)
+    compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, gqa=True),
+             KEY, query, key, key, bias, generation=generation)
 
 
 # VMEM: v4's (16 MiB) is the smallest. Blocks forced just past it (measured: by 44 KiB to

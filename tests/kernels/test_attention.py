@@ -1,0 +1,210 @@
+"""The flash-attention kernels against a float64 reference given the same dropout mask: values
+and the gradients of query, key, value (and a float mask), across causal, boolean and float
+masks, GQA, broadcast batch dims, L != S, lengths that are not block multiples, head dims 64,
+128 and an odd one, both noise impls (hardware emulated), and backward blocks forced to
+differ from the forward's. The threefry mask is checked bit for bit against jax.random."""
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from reference import emulated_hardware_tile_bits, jax_key, key_data
+from torch_pallas.kernels import attention, prng
+from torch_pallas.kernels.attention import AttentionBlocks as Blocks
+
+KEY = key_data(1234)
+
+
+def threefry_keep(shape, dropout_p):
+    return np.asarray(jax.random.bernoulli(jax_key(1234), np.float32(1 - dropout_p), shape))
+
+
+def hardware_keep(shape, dropout_p):
+    """The emulated hardware PRNG's mask: tile (i, j) of plane b gets the bits of tile index
+    ``b * tiles_per_plane + i * tiles_per_row + j`` (the plane padded to whole tiles)."""
+    *batch, L, S = shape
+    tile = attention.attention_tile(L, S)
+    rows, cols = -(-L // tile[0]), -(-S // tile[1])
+    hardware_key = np.asarray(prng.hardware_key_data(jnp.asarray(KEY)))
+    planes = []
+    for b in range(int(np.prod(batch))):
+        plane = np.block([[np.asarray(emulated_hardware_tile_bits(hardware_key, np.int32((b * rows + i) * cols + j),
+                                                                  tile)) for j in range(cols)] for i in range(rows)])
+        planes.append(plane[:L, :S])
+    bits = jnp.asarray(np.stack(planes).reshape(shape))
+    return np.asarray(prng.bernoulli_from_bits(bits, np.float32(1 - dropout_p)))
+
+
+def reference(query, key, value, bias, keep, *, dropout_p, causal, scale, gqa):
+    """Attention in float64 with the given keep mask (None: no dropout); differentiable."""
+    query, key, value = (x.astype(jnp.float64) for x in (query, key, value))
+    if gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = (jnp.repeat(x, group, axis=-3) for x in (key, value))
+    scores = jnp.einsum("...le,...se->...ls", query, key) * scale
+    L, S = scores.shape[-2:]
+    if bias is not None:
+        scores = scores + (jnp.where(bias, 0.0, -jnp.inf) if bias.dtype == jnp.bool_ else bias.astype(jnp.float64))
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((L, S), bool)), scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isinf(top), 0.0, jax.lax.stop_gradient(top)))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = jnp.where(total == 0, 0.0, weights / jnp.where(total == 0, 1.0, total))  # torch's safe softmax
+    if keep is not None:
+        weights = weights * np.where(keep, 1 / (1 - dropout_p) if dropout_p < 1 else 0.0, 0.0)
+    return jnp.einsum("...ls,...sd->...ld", weights, value)
+
+
+def check(query_shape, key_shape, value_shape, *, bias=None, dropout_p=0.0, impl="threefry", causal=False,
+          gqa=False, blocks=None, backward_blocks=None, dtype=jnp.float32, scale=None, seed=0):
+    rng = np.random.default_rng(seed)
+    query, key, value = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (query_shape, key_shape, value_shape))
+    options = dict(dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=True,
+                   blocks=blocks, backward_blocks=backward_blocks)
+    float_bias = bias is not None and bias.dtype != jnp.bool_
+    grad_out_shape = jax.eval_shape(lambda: attention.attention(jnp.asarray(KEY), query, key, value, bias, **options))
+    grad_out = jnp.asarray(rng.standard_normal(grad_out_shape.shape), dtype)
+
+    @jax.jit
+    def forward_and_backward(query, key, value, float_bias_or_none):
+        # One compile for the forward and both backward kernels.
+        def function(*operands):
+            return attention.attention(jnp.asarray(KEY), *operands[:3], operands[3] if float_bias else bias, **options)
+        out, pullback = jax.vjp(function, query, key, value, float_bias_or_none)
+        return out, pullback(grad_out)
+
+    out, grads = forward_and_backward(query, key, value, bias if float_bias else None)
+    grads = grads[:4] if float_bias else grads[:3]
+    problem = attention.resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape,
+                                        gqa=gqa)
+    weights_shape = (*problem.batch, problem.L, problem.S)
+    keep = None if not dropout_p else (threefry_keep if impl == "threefry" else hardware_keep)(weights_shape, dropout_p)
+    with jax.experimental.enable_x64():
+        operands = [np.asarray(x, np.float64) for x in (query, key, value)]
+        reference_bias = None if bias is None else (bias if not float_bias else np.asarray(bias, np.float64))
+        function = functools.partial(reference, keep=keep, dropout_p=dropout_p, causal=causal, gqa=gqa,
+                                     scale=1 / np.sqrt(problem.E) if scale is None else scale)
+        expected = function(*operands, reference_bias)
+        expected_grads = jax.grad(lambda *args: jnp.sum(function(*args) * np.asarray(grad_out, np.float64)),
+                                  argnums=tuple(range(4 if float_bias else 3)))(*operands, reference_bias)
+        expected, expected_grads = np.asarray(expected), [np.asarray(g) for g in expected_grads]
+    tolerance = 2e-5 if dtype == jnp.float32 else 3e-2
+    assert out.shape == expected.shape and out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance, rtol=tolerance)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert grad.shape == expected_grad.shape
+        scale_of = max(1.0, float(np.abs(expected_grad).max()))
+        np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, atol=tolerance * scale_of,
+                                   rtol=tolerance)
+    return out, grads
+
+
+# (query, key, value shapes, options); where blocks are forced, the backward's differ from the forward's.
+CASES = {
+    # L != S, neither a block multiple; several blocks each way, causal blocks skipped.
+    "ragged-causal": ((2, 3, 40, 64), (2, 3, 300, 64), (2, 3, 300, 64),
+                      dict(causal=True, dropout_p=0.3, blocks=Blocks(16, 128), backward_blocks=Blocks(8, 256))),
+    # L > S causal (rows past S see every key), GQA, key and value broadcast over the batch.
+    "gqa-broadcast-causal": ((2, 4, 72, 64), (1, 2, 24, 64), (1, 2, 24, 64), dict(causal=True, gqa=True, dropout_p=0.2)),
+    "head-dim-128-value-64": ((2, 2, 32, 128), (2, 2, 160, 128), (2, 2, 160, 64),
+                              dict(dropout_p=0.1, blocks=Blocks(32, 128), backward_blocks=Blocks(8, 160))),
+    "odd-head-dim-unbatched": ((17, 33), (29, 33), (29, 7), dict(dropout_p=0.5, scale=0.3)),
+    "no-dropout": ((2, 3, 40, 64), (2, 3, 50, 64), (2, 3, 50, 32), dict()),
+    "dropout-1": ((1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16), dict(dropout_p=1.0)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference_with_the_same_mask(case):
+    query, key, value, options = CASES[case]
+    check(query, key, value, **options)
+
+
+def test_boolean_mask_broadcast_with_a_fully_masked_row_gives_zeros():
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 1, 40, 50)) > 0.3
+    mask[:, :, 3] = False  # a row with nothing to attend to: zeros, forward and backward (torch's safe softmax)
+    out, (grad_query, grad_key, grad_value) = check((2, 3, 40, 16), (2, 3, 50, 16), (2, 3, 50, 16),
+                                                    bias=jnp.asarray(mask), dropout_p=0.2)
+    assert not np.asarray(out[:, :, 3]).any() and not np.asarray(grad_query[:, :, 3]).any()
+    assert np.isfinite(np.asarray(grad_key)).all() and np.isfinite(np.asarray(grad_value)).all()
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 3, 24, 40), (2, 1, 1, 40)])
+def test_float_mask_gets_its_gradient_summed_to_its_shape(bias_shape):
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal(bias_shape), jnp.float32)
+    check((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16), bias=bias, dropout_p=0.1,
+          backward_blocks=Blocks(8, 40))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_inputs(dtype):  # float16 is computed as float32 (Mosaic has no float16)
+    check((2, 2, 24, 64), (2, 2, 40, 64), (2, 2, 40, 64), dropout_p=0.1, causal=True, dtype=dtype)
+
+
+@pytest.mark.parametrize("blocks", [Blocks(8, 128), Blocks(48, 256)])
+def test_threefry_mask_is_jax_bernoulli_whatever_the_blocks(blocks):
+    """With equal scores every weight is 1/S: the output against an identity value is the mask."""
+    B, L, S = 2, 48, 256
+    value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (B, S, S))
+    out, _ = attention.attention_forward(jnp.asarray(KEY), jnp.zeros((B, L, 8)), jnp.zeros((B, S, 8)), value,
+                                         dropout_p=0.3, interpret=True, blocks=blocks)
+    np.testing.assert_array_equal(np.asarray(out) > 0, threefry_keep((B, L, S), 0.3))
+
+
+def test_hardware_mask_is_the_same_for_every_block_of_whole_tiles(emulated_hardware_prng):
+    B, L, S = 2, 64, 1024
+    tile = attention.attention_tile(L, S)
+    assert tile == (64, 512)
+    value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (B, S, S))
+    masks = [np.asarray(attention.attention_forward(jnp.asarray(KEY), jnp.zeros((B, L, 8)), jnp.zeros((B, S, 8)),
+                                                    value, dropout_p=0.3, impl="hardware", interpret=True,
+                                                    blocks=blocks)[0]) > 0
+             for blocks in (Blocks(64, 512), Blocks(64, 1024))]
+    np.testing.assert_array_equal(masks[0], masks[1])
+    np.testing.assert_array_equal(masks[0], hardware_keep((B, L, S), 0.3))
+
+
+def test_hardware_forward_and_backward_with_different_blocks_match_the_reference(emulated_hardware_prng):
+    assert attention.attention_tile(40, 300) == (8, 128)
+    check((1, 2, 40, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",
+          blocks=Blocks(40, 384), backward_blocks=Blocks(16, 128))
+
+
+def test_hardware_blocks_must_be_whole_tiles(emulated_hardware_prng):
+    with pytest.raises(ValueError, match="whole .* tiles"):
+        attention.attention_forward(jnp.asarray(KEY), jnp.zeros((1, 64, 8)), jnp.zeros((1, 1024, 8)),
+                                    jnp.zeros((1, 1024, 8)), dropout_p=0.1, impl="hardware", interpret=True,
+                                    blocks=Blocks(64, 256))
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((2, 8, 4), (2, 8, 5), (2, 8, 4)), "same last dim"),
+    (((2, 8, 4), (2, 8, 4), (2, 9, 4)), "every dim but the last"),
+    (((3, 8, 4), (2, 8, 4), (2, 8, 4)), "do not broadcast"),
+    (((2, 3, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)), "do not broadcast"),
+    (((8,), (8, 4), (8, 4)), "at least 2 dims"),
+])
+def test_shapes_torch_rejects_are_rejected(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        attention.resolve_problem(*shapes)
+
+
+def test_gqa_heads_must_divide_and_masks_must_broadcast():
+    with pytest.raises(ValueError, match="multiple"):
+        attention.resolve_problem((2, 6, 8, 4), (2, 4, 8, 4), (2, 4, 8, 4), gqa=True)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attention.resolve_problem((2, 6, 8, 4), (2, 6, 9, 4), (2, 6, 9, 4), (8, 8))
+
+
+def test_blocks_mosaic_rejects_are_rejected_everywhere():
+    with pytest.raises(ValueError, match="rejected by Mosaic"):
+        attention.attention_forward(jnp.asarray(KEY), jnp.zeros((1, 64, 8)), jnp.zeros((1, 512, 8)),
+                                    jnp.zeros((1, 512, 8)), interpret=True, blocks=Blocks(12, 128))
+    with pytest.raises(TypeError, match="AttentionBlocks"):
+        attention.attention_forward(jnp.asarray(KEY), jnp.zeros((1, 64, 8)), jnp.zeros((1, 512, 8)),
+                                    jnp.zeros((1, 512, 8)), interpret=True, blocks=(8, 128))
