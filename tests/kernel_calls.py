@@ -1,16 +1,20 @@
 """Records the kernel calls a test's code makes, through the bridge every kernel passes."""
 
 from torch_pallas import bridge
-from torch_pallas.kernels import dropout as dropout_kernels
+from torch_pallas.kernels import attention as attention_kernels, dropout as dropout_kernels
+
+# The kernels that draw a dropout mask from their first operand, the key data.
+DROPOUT_KERNELS = (dropout_kernels.dropout, attention_kernels.attention_forward, attention_kernels.attention_backward)
 
 
 def record_dropout_keys(monkeypatch) -> list:
-    """Key data of every dropout kernel call from now on (forward, recomputation and
-    backward; autograd runs the backward on another thread, so no dispatch mode sees it)."""
+    """Key data of every dropout kernel call from now on (dropout's and attention's: forward,
+    recomputation and backward; autograd runs the backward on another thread, so no
+    dispatch mode sees it)."""
     keys, call = [], bridge.call
 
     def recording_call(jax_function, *tensors, **static):
-        if jax_function is dropout_kernels.dropout:
+        if jax_function in DROPOUT_KERNELS and static.get("dropout_p", static.get("p")):
             keys.append(tuple(tensors[0].cpu().tolist()))
         return call(jax_function, *tensors, **static)
 

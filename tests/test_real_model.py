@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as metrics
+from torch._dynamo.backends.torchxla import openxla
 
 import torch_pallas
 from kernel_calls import record_dropout_keys
@@ -49,6 +50,12 @@ def gpt2_on_sdpa(attn_implementation="sdpa"):
                                      resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False,
                                      attn_implementation=attn_implementation)
     return transformers.GPT2LMHeadModel(config)
+
+
+def bert_on_sdpa():
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    return transformers.BertForMaskedLM(config)
 
 
 def llama_on_sdpa():
@@ -111,24 +118,45 @@ def test_checkpoint_enable_rejects_models_without_checkpointing():
         torch_pallas.checkpoint.enable(gpt2_on_sdpa(), gradient_checkpointing_kwargs={})
 
 
-@pytest.mark.parametrize("make_model", [gpt2_on_sdpa, llama_on_sdpa])
-def test_routed_model_on_sdpa_attention_compiles_fullgraph_and_trains(make_model):
-    """A warning on a traced path once broke these compiles (GPT-2 crashed, fullgraph failed)."""
+def torchs_dropouts(graph: torch.fx.GraphModule) -> list[str]:
+    """The calls in dynamo's graph that would draw a dropout mask with torch's RNG."""
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    return [target for target in targets if "torch_pallas" not in target
+            and any(name in target for name in ("bernoulli", "dropout", "scaled_dot_product_attention"))]
+
+
+@pytest.mark.parametrize("make_model", [gpt2_on_sdpa, bert_on_sdpa, llama_on_sdpa])
+def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_and_trains(make_model):
+    """README, Routing: every dropout of GPT-2, BERT and Llama on their default sdpa attention
+    (attention dropout included) is torch_pallas's, eager and compiled. A padding mask makes
+    transformers pass attn_mask to every layer. (A warning on a traced path once broke these
+    compiles, and torch_xla merged the layers' saved masks.)"""
     torch.manual_seed(0)
     model = make_model().to(torch_xla.device()).train()
     assert model.config._attn_implementation == "sdpa"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, 128, (2, 16)).to(torch_xla.device())
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, 12:] = 0
+    padding = padding.to(torch_xla.device())
+    assert torch_xla._XLAC._get_xla_tensors_text([model(input_ids=ids).logits]).count("bernoulli") > 0
 
-    def loss_of(ids):
+    def loss_of(ids, padding):
         with torch_pallas.route_dropout():
-            logits = model(input_ids=ids).logits  # (HF's own loss function logs, which dynamo refuses)
+            logits = model(input_ids=ids, attention_mask=padding).logits  # (HF's own loss function logs, which dynamo refuses)
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
 
-    step = torch.compile(loss_of, backend="openxla", fullgraph=True)
+    assert torch_xla._XLAC._get_xla_tensors_text([loss_of(ids, padding)]).count("bernoulli") == 0
+    graphs = []
+
+    def inspecting_openxla(graph, example_inputs):
+        graphs.append(graph)
+        return openxla(graph, example_inputs)
+
+    step = torch.compile(loss_of, backend=inspecting_openxla, fullgraph=True)
     losses, compiles = [], []
     for _ in range(4):
-        loss = step(ids)
+        loss = step(ids, padding)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -137,3 +165,4 @@ def test_routed_model_on_sdpa_attention_compiles_fullgraph_and_trains(make_model
         compiles.append(metrics.metric_data("CompileTime")[0])
     assert compiles[1] == compiles[-1], compiles
     assert losses[-1] < losses[0] - 0.3, losses
+    assert len(graphs) == 1 and torchs_dropouts(graphs[0]) == []

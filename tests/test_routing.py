@@ -9,6 +9,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_pallas
+from kernel_calls import record_dropout_keys
 
 
 class FunctionalDropouts(torch.nn.Module):
@@ -77,7 +78,7 @@ def test_inplace_functional_dropout_writes_into_its_input():
     assert out is x and (x == 0).any()
 
 
-def test_compiled_model_under_routing_compiles_once_and_warns_for_sdpa_dropout():
+def test_compiled_model_under_routing_compiles_once():
     model, x = model_and_input()
     compiled = torch.compile(model, backend="openxla")
     counts = []
@@ -87,9 +88,31 @@ def test_compiled_model_under_routing_compiles_once_and_warns_for_sdpa_dropout()
             torch_xla.sync()
             counts.append(met.metric_data("CompileTime")[0])
         assert counts[1] == counts[-1], counts
-        q = x.reshape(4, 8, 8, 8)
-        with pytest.warns(UserWarning, match="dropout_p .* not routed"):
-            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_attention_with_dropout_is_routed_and_the_rest_stays_torchs(monkeypatch):
+    keys = record_dropout_keys(monkeypatch)
+    q = torch.randn(2, 2, 8, 8, device=torch_xla.device())
+    with torch_pallas.route_dropout():
+        out = F.scaled_dot_product_attention(q, q, q, None, 0.1, is_causal=True)
+        assert len(keys) == 1 and bernoullis(out) == 0
+        F.scaled_dot_product_attention(q, q, q)  # no dropout: torch's
+        assert len(keys) == 1
+        with pytest.warns(UserWarning, match="dropout_p is applied by torch .* float32, bfloat16 and float16"):
+            out = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), dropout_p=0.1)
+        assert bernoullis(out) == 1
+        cpu = q.cpu()
+        with pytest.warns(UserWarning, match="not on an XLA device"):
+            F.scaled_dot_product_attention(cpu, cpu, cpu, dropout_p=0.1)
+    with torch_pallas.route_dropout(attention="all"):
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, scale=0.5),
+                                   torch_pallas.scaled_dot_product_attention(q, q, q, scale=0.5))
+        assert len(keys) == 1  # routed, with no dropout: no key drawn for a mask
+    with torch_pallas.route_dropout(attention="none"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        assert bernoullis(F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)) == 1
+    with pytest.raises(ValueError, match="attention must be one of"):
+        torch_pallas.route_dropout(attention="some")
 
 
 def test_convert_dropout_warns_when_it_finds_no_module():

@@ -1,0 +1,186 @@
+"""torch_pallas.scaled_dot_product_attention against torch's on XLA tensors (values and
+gradients), its dropout against torch_pallas.dropout on the weights, its seeds, errors,
+torch.compile, torch.func and checkpointing. The kernels' own tests are in kernels/."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.debug.metrics as metrics
+
+import torch_pallas
+from kernel_calls import record_dropout_keys
+
+DEVICE = torch_xla.device()
+
+
+def operands(query_shape, key_shape, value_shape, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator, dtype=dtype).to(DEVICE).requires_grad_()
+            for shape in (query_shape, key_shape, value_shape)]
+
+
+def gradients(output, tensors, seed=1):
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return torch.autograd.grad((output * weights).sum(), tensors)
+
+
+def fully_masked_row_mask():
+    mask = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(2)) > 0.3
+    mask[:, :, 5] = False  # nothing to attend to: zeros, as torch's
+    return mask.to(DEVICE)
+
+
+CASES = {
+    "causal-L-ne-S": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8)), dict(is_causal=True)),
+    "bool-mask": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16)), dict(attn_mask=fully_masked_row_mask)),
+    "gqa-scale": (((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 16)), dict(enable_gqa=True, scale=0.2)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_output_and_gradients_equal_torch(case):
+    shapes, options = CASES[case]
+    options = {name: value() if callable(value) else value for name, value in options.items()}
+    tensors = operands(*shapes)
+    ours = torch_pallas.scaled_dot_product_attention(*tensors, **options)
+    torchs = F.scaled_dot_product_attention(*tensors, **options)
+    torch.testing.assert_close(ours, torchs, atol=2e-6, rtol=1e-5)
+    for mine, expected in zip(gradients(ours, tensors), gradients(torchs, tensors)):
+        torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
+
+
+def test_float_mask_gets_torchs_gradient():
+    tensors = operands((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16))
+    bias = torch.randn(1, 3, 1, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_()
+    ours = torch_pallas.scaled_dot_product_attention(*tensors, attn_mask=bias)
+    torchs = F.scaled_dot_product_attention(*tensors, attn_mask=bias)
+    for mine, expected in zip(gradients(ours, [*tensors, bias]), gradients(torchs, [*tensors, bias])):
+        torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
+
+
+def attention_with_torch_pallas_dropout(query, key, value, dropout_p, seed, is_causal=False):
+    scores = query @ key.transpose(-2, -1) / query.shape[-1] ** 0.5
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril().to(DEVICE), float("-inf"))
+    return torch_pallas.dropout(torch.softmax(scores, -1), dropout_p, seed=seed) @ value
+
+
+def test_dropout_is_torch_pallas_dropout_of_the_weights_with_the_same_seed():
+    """README, noise contract: the fused kernel's mask is the one torch_pallas.dropout draws for the weights."""
+    tensors = operands((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))
+    ours = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.3, is_causal=True, seed=11)
+    written_out = attention_with_torch_pallas_dropout(*tensors, 0.3, 11, is_causal=True)
+    torch.testing.assert_close(ours, written_out, atol=2e-6, rtol=1e-5)
+    for mine, expected in zip(gradients(ours, tensors), gradients(written_out, tensors)):
+        torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
+
+
+def test_keys_follow_torch_pallas_seeds():
+    tensors = [t.detach() for t in operands((2, 2, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16))]
+
+    def attend(**source):
+        return torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.5, **source).cpu()
+
+    assert torch.equal(attend(seed=3), attend(seed=3)) and not torch.equal(attend(seed=3), attend(seed=4))
+    assert torch.equal(attend(generator=torch.Generator().manual_seed(5)),
+                       attend(generator=torch.Generator().manual_seed(5)))
+    torch_xla.manual_seed(6)
+    first, second = attend(), attend()
+    torch_xla.manual_seed(6)
+    assert not torch.equal(first, second) and torch.equal(attend(), first)
+    no_dropout = torch_pallas.scaled_dot_product_attention(*tensors)
+    torch.testing.assert_close(no_dropout, F.scaled_dot_product_attention(*tensors), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_are_close_to_float32(dtype):
+    tensors = operands((2, 2, 24, 64), (2, 2, 40, 64), (2, 2, 40, 64))
+    low = [t.detach().to(dtype).requires_grad_() for t in tensors]
+    out = torch_pallas.scaled_dot_product_attention(*low, dropout_p=0.2, seed=1)
+    expected = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.2, seed=1)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    grads = gradients(out, low)
+    assert all(grad.dtype == dtype and torch.isfinite(grad.float()).all() for grad in grads)
+
+
+def bad(**changes):
+    query, key, value = (torch.zeros(2, 2, 8, 4, device=DEVICE) for _ in range(3))
+    arguments = dict(query=query, key=key, value=value)
+    arguments.update(changes)
+    return lambda: torch_pallas.scaled_dot_product_attention(**arguments)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (bad(query=[[1.0]]), TypeError, "query must be a torch.Tensor"),
+    (bad(query=torch.zeros(2, 2, 8, 4, device=DEVICE, dtype=torch.float64)), TypeError, "query must be float32"),
+    (bad(key=torch.zeros(2, 2, 8, 4, device=DEVICE, dtype=torch.bfloat16)), TypeError, "one dtype"),
+    (bad(attn_mask=torch.zeros(8, 8, device=DEVICE, dtype=torch.int32)), TypeError, "attn_mask must be boolean"),
+    (bad(attn_mask=torch.ones(8, 8, device=DEVICE, dtype=torch.bool), is_causal=True), ValueError, "is_causal"),
+    (bad(attn_mask=torch.ones(8, 9, device=DEVICE, dtype=torch.bool)), ValueError, "does not broadcast"),
+    (bad(key=torch.zeros(2, 2, 8, 5, device=DEVICE)), ValueError, "same last dim"),
+    (bad(query=torch.zeros(2, 3, 8, 4, device=DEVICE), enable_gqa=True), ValueError, "multiple"),
+    (bad(dropout_p=1.5), ValueError, "dropout_p must be in"),
+    (bad(dropout_p="0.1"), TypeError, "dropout_p must be"),
+    (bad(scale="2"), TypeError, "scale must be"),
+    (bad(dropout_p=0.1, impl="hardware"), ValueError, "needs PJRT_DEVICE=TPU"),
+    (bad(dropout_p=0.1, seed=1, generator=torch.Generator()), ValueError, "seed"),
+    (bad(key=torch.zeros(2, 2, 8, 4)), ValueError, "one device"),
+])
+def test_bad_arguments_raise_before_any_kernel_runs(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_empty_shapes_give_torchs_results():
+    query, key = torch.zeros(2, 0, 4, device=DEVICE), torch.zeros(2, 3, 4, device=DEVICE)
+    assert torch_pallas.scaled_dot_product_attention(query, key, key).shape == (2, 0, 4)
+    out = torch_pallas.scaled_dot_product_attention(torch.ones(2, 3, 4, device=DEVICE), query, query)
+    assert out.shape == (2, 3, 4) and not out.cpu().any()
+
+
+def test_compiled_fullgraph_draws_fresh_keys_without_recompiling_and_matches_eager_for_a_seed():
+    tensors = operands((2, 2, 24, 16), (2, 2, 24, 16), (2, 2, 24, 16))
+
+    @torch.compile(backend="openxla", fullgraph=True)
+    def attend(query, key, value):
+        return torch_pallas.scaled_dot_product_attention(query, key, value, dropout_p=0.2, is_causal=True)
+
+    outputs, compiles = [], []
+    for _ in range(3):
+        out = attend(*tensors)
+        out.sum().backward()
+        torch_xla.sync()
+        outputs.append(out.detach().cpu())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1] == compiles[2], compiles
+    assert not torch.equal(outputs[1], outputs[2])  # a fresh mask per call
+
+    seeded = torch.compile(lambda q, k, v: torch_pallas.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.2, is_causal=True, seed=9), backend="openxla", fullgraph=True)
+    eager = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.2, is_causal=True, seed=9)
+    torch.testing.assert_close(seeded(*tensors), eager, atol=2e-6, rtol=1e-5)
+
+
+def test_torch_func_grad_and_no_forward_mode():
+    query, key, value = (t.detach() for t in operands((2, 16, 8), (2, 16, 8), (2, 16, 8)))
+
+    def loss(query):
+        return torch_pallas.scaled_dot_product_attention(query, key, value, dropout_p=0.3, seed=2).square().sum()
+
+    grad = torch.func.grad(loss)(query)
+    query.requires_grad_()
+    torch.testing.assert_close(grad, torch.autograd.grad(loss(query), query)[0])
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(loss, (query.detach(),), (torch.ones_like(query),))
+
+
+def test_checkpoint_recomputes_the_forwards_attention_mask(monkeypatch):
+    tensors = operands((2, 2, 24, 16), (2, 2, 24, 16), (2, 2, 24, 16))
+    keys = record_dropout_keys(monkeypatch)
+    out = torch_pallas.checkpoint(
+        lambda q, k, v: torch_pallas.scaled_dot_product_attention(q, k, v, dropout_p=0.3), *tensors)
+    (forward,) = keys
+    out.sum().backward()
+    assert keys == [forward] * 3  # the forward, its recomputation and the backward kernels: one key
