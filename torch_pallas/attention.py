@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from torch_pallas import _checks, seeds
+from torch_pallas import _checks, seeds, sharding
 from torch_pallas.ops import attention as attention_op
 
 __all__ = ["scaled_dot_product_attention"]
@@ -53,6 +53,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         seed, generator, impl: as for :func:`torch_pallas.dropout` (used when
             ``dropout_p > 0``).
 
+    An SPMD-sharded ``query`` (``xs.mark_sharding``; read in eager mode) split over its batch
+    dims (batch, heads) runs shard by shard on its devices, forward and backward, with the
+    unsharded mask; key, value and the mask are split with it (GQA heads too), and the output
+    and gradients keep the sharding.
+
     Returns:
         Tensor: ``(*batch, L, Ev)`` in query's dtype.
 
@@ -62,8 +67,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             wrong type of ``dropout_p``, ``scale``, ``seed`` or ``generator``.
         ValueError: shapes that do not fit (as torch checks them), ``attn_mask`` with
             ``is_causal``, operands on different devices or on a device torch_pallas does not run
-            on, ``dropout_p`` outside :math:`[0, 1]`, and the seed and impl errors of
-            :func:`torch_pallas.dropout`.
+            on, ``dropout_p`` outside :math:`[0, 1]`, the seed and impl errors of
+            :func:`torch_pallas.dropout`, and a sharded query split along its length or head
+            dim, or unevenly, or whose key and value are broadcast along a split dim.
 
     Example::
 
@@ -105,5 +111,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if math.prod(out_shape) == 0 or key.shape[-2] == 0:
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)
+    found = sharding.resolve(query)
+    if found is not None:
+        attention_op.shard_dims(found, query, key, value, attn_mask,
+                                mask_grad=attn_mask is not None and attn_mask.requires_grad)
     return attention_op.apply(query, key, value, attn_mask, key_data, dropout_p, impl, bool(is_causal), scale,
-                              bool(enable_gqa))
+                              bool(enable_gqa), sharding=None if found is None else found.text)

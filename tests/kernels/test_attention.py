@@ -208,3 +208,24 @@ def test_blocks_mosaic_rejects_are_rejected_everywhere():
     with pytest.raises(TypeError, match="AttentionBlocks"):
         attention.attention_forward(jnp.asarray(KEY), jnp.zeros((1, 64, 8)), jnp.zeros((1, 512, 8)),
                                     jnp.zeros((1, 512, 8)), interpret=True, blocks=(8, 128))
+
+
+@pytest.mark.parametrize("impl", ["threefry", "hardware"])
+def test_a_shard_draws_its_part_of_the_whole_tensors_mask(impl, emulated_hardware_prng):
+    """SPMD: a shard split over batch dims (here batch 1 of 2, heads 2-3 of 4) gets the flat
+    batch index of its first plane as data and draws the whole tensor's mask there."""
+    rng = np.random.default_rng(3)
+    query, key, value = (jnp.asarray(rng.standard_normal((2, 4, 16, 8)), jnp.float32) for _ in range(3))
+    options = dict(dropout_p=0.4, impl=impl, causal=True, interpret=True)
+    whole, _ = attention.attention_forward(jnp.asarray(KEY), query, key, value, **options)
+    part = (slice(1, 2), slice(2, 4))
+    shard, lse = attention.attention_forward(jnp.asarray(KEY), query[part], key[part], value[part], **options,
+                                             global_shape=(2, 4, 1, 1), shard_offset=np.array([0, 6], np.int32))
+    np.testing.assert_array_equal(np.asarray(shard), np.asarray(whole[part]))
+    grads = attention.attention_backward(jnp.asarray(KEY), query[part], key[part], value[part], shard, lse,
+                                         jnp.ones_like(shard), **options, global_shape=(2, 4, 1, 1),
+                                         shard_offset=np.array([0, 6], np.int32))
+    whole_grads = jax.grad(lambda q, k, v: attention.attention(jnp.asarray(KEY), q, k, v, None, **options).sum(),
+                           argnums=(0, 1, 2))(query, key, value)
+    for grad, whole_grad in zip(grads, whole_grads):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(whole_grad[part]), atol=1e-6, rtol=1e-6)

@@ -254,6 +254,25 @@ def test_attention_with_a_broadcast_mask_and_gqa(generation, mask):
              KEY, query, key, key, bias, generation=generation)
 
 
+def _attention_on_shard(key_data, offsets, query, key, value, **options):
+    """Forward and backward on one chip's shard, as torch_pallas's SPMD layer runs them."""
+    shard = dict(options, global_shape=(4, 8, 1, 1), shard_offset=offsets.reshape(2), interpret=False)
+    out, lse = attention.attention_forward(key_data, query, key, value, **shard)
+    return attention.attention_backward(key_data, query, key, value, out, lse, out, **shard)
+
+
+@pytest.mark.parametrize("impl", prng.IMPLS)
+def test_attention_per_shard_on_a_2x2_topology(generation, impl):
+    """Batch and heads split over the 2x2 mesh, GQA heads with them."""
+    spec = P("data", "model", None, None)
+    query = jax.ShapeDtypeStruct((4, 8, 512, 64), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct((4, 4, 512, 64), jnp.bfloat16)
+    kernel = functools.partial(_attention_on_shard, dropout_p=0.1, impl=impl, causal=True, gqa=True)
+    assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec, spec, spec), (spec, spec, spec), KEY,
+                                   jax.ShapeDtypeStruct((2, 2, 2), jnp.int32), query, key, key,
+                                   generation=generation)
+
+
 # VMEM: v4's (16 MiB) is the smallest. Blocks forced just past it (measured: by 44 KiB to
 # 148 KiB) fail with libtpu's message, raised as an exception, not a crash.
 VMEM_ERROR = r"RESOURCE_EXHAUSTED.*Exceeded vmem capacity"

@@ -272,3 +272,49 @@ def Sharding_text(mesh, spec, shape=(8, 6, 256)):
     reference = torch.empty(shape).to(DEVICE)
     xs.mark_sharding(reference, mesh, spec)
     return spec_of(reference)
+
+
+# (mesh, query's partition spec, GQA): batch, heads, both, and GQA heads split with the query's.
+ATTENTION_CASES = [("4x1", ("data", None, None, None), False), ("1x4", (None, "model", None, None), False),
+                   ("2x2", ("data", "model", None, None), True)]
+
+
+@pytest.mark.parametrize("mesh,spec,gqa", ATTENTION_CASES, ids=[f"{m}-{s}-{g}" for m, s, g in ATTENTION_CASES])
+def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh, spec, gqa):
+    """README, SPMD: attention split over batch and heads runs per shard; output and gradients
+    equal the unsharded call's (the same mask), keep the sharding, and nothing is gathered."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 8, 32, 16, generator=generator)
+    key, value = (torch.randn(4, 4 if gqa else 8, 48, 16, generator=generator) for _ in range(2))
+    mask = torch.rand(4, 1, 32, 48, generator=generator) > 0.2
+    options = dict(dropout_p=0.3, seed=5, enable_gqa=gqa)
+
+    def attend(tensors, mask):
+        out = torch_pallas.scaled_dot_product_attention(*tensors, attn_mask=mask, **options)
+        grads = torch.autograd.grad(out.square().sum(), tensors)
+        return out, grads
+
+    plain = [t.to(DEVICE).requires_grad_() for t in (query, key, value)]
+    expected_out, expected_grads = attend(plain, mask.to(DEVICE))
+    torch_xla.sync()
+    parts = [sharded(t, mesh_of(mesh), spec).requires_grad_() for t in (query, key, value)]
+    results = []
+
+    def run():
+        out, grads = attend(parts, sharded(mask, mesh_of(mesh), (spec[0], None, None, None)))
+        assert "SPMDFullToShardShape" in torch_xla._XLAC._get_xla_tensors_hlo([out])
+        torch_xla.sync()
+        results.extend([out, *grads])
+    modules = compiled_modules(run)
+    assert modules and all_gather_sizes(modules) == []
+    out, *grads = results
+    assert spec_of(out) == spec_of(parts[0]) and spec_of(grads[0]) == spec_of(parts[0])
+    torch.testing.assert_close(out.cpu(), expected_out.cpu(), atol=1e-6, rtol=1e-5)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.cpu(), expected.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_split_along_its_length_is_rejected():
+    query = sharded(torch.randn(2, 2, 32, 16), mesh_of("1x4"), (None, None, "model", None))
+    with pytest.raises(ValueError, match="split along its length or head dim"):
+        torch_pallas.scaled_dot_product_attention(query, query, query)

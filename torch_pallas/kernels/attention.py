@@ -222,6 +222,7 @@ class _Static:
     causal: bool
     scale: float
     wide: bool
+    global_batch: tuple[int, ...] | None  # a shard's: the whole tensor's batch dims
 
     @property
     def tile(self):
@@ -250,10 +251,27 @@ def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
     return s
 
 
+def _global_plane(static: _Static, noise_ref, b):
+    """The flat batch index in the whole tensor of this kernel's batch element ``b``: ``b``
+    itself, or in a shard the index of its place in the whole batch dims from the shard's
+    first plane (``noise_ref[3]``, data: one compiled kernel serves every shard)."""
+    if static.global_batch is None:
+        return b
+    local = static.problem.batch
+    global_strides = [math.prod(static.global_batch[d + 1:]) for d in range(len(local))]
+    plane, inner = noise_ref[3], math.prod(local)
+    for size, stride in zip(local, global_strides):
+        inner //= size
+        if size > 1:
+            plane = plane + b // inner % size * stride
+    return plane
+
+
 def _keep_scale(static: _Static, key_ref, b, q_index, kv_index):
     """float32 (q, kv): ``1 / (1 - p)`` where the element is kept, 0 where dropped."""
     problem, blocks = static.problem, static.blocks
     row0, col0 = q_index * blocks.q, kv_index * blocks.kv
+    b = _global_plane(static, key_ref, b)
     if static.impl == prng.THREEFRY:
         b = lax.convert_element_type(b, jnp.uint32)
         base = prng.multiply_wide(b, problem.L * problem.S) if static.wide else b * np.uint32(problem.L * problem.S % 2**32)
@@ -395,14 +413,19 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
     return specs, ordered, q_block
 
 
-def _noise_key(key_data, impl):
-    return prng.hardware_key_data(key_data) if impl == prng.HARDWARE else key_data
+def _noise_words(key_data, impl, shard_offset):
+    """The kernels' SMEM words: the key (for the hardware PRNG ``to_pallas_key``'s), then for a
+    shard the [high, low] words of its first plane's flat batch index."""
+    key = prng.hardware_key_data(key_data) if impl == prng.HARDWARE else key_data
+    return key if shard_offset is None else jnp.concatenate([key, shard_offset.reshape(2).astype(jnp.int32)])
 
 
-def _static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward):
+def _static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape):
     blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward)
-    wide = impl == prng.THREEFRY and problem.size * problem.L * problem.S > 2**32
-    return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide)
+    global_batch = None if global_shape is None else tuple(global_shape[:-2])
+    planes = problem.size if global_batch is None else math.prod(global_batch)
+    wide = impl == prng.THREEFRY and planes * problem.L * problem.S > 2**32
+    return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide, global_batch)
 
 
 def _check_options(dropout_p, impl, interpret):
@@ -413,7 +436,8 @@ def _check_options(dropout_p, impl, interpret):
 
 def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: float = 0.0,
                       impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
-                      gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None):
+                      gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
+                      global_shape=None, shard_offset=None):
     """The attention output and the float32 row log-sum-exp ``(*batch, L)`` (``inf`` for a
     row that attends to nothing) the backward pass needs; see the module docstring.
 
@@ -430,6 +454,11 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         gqa: repeat the key's and value's heads (dim -3) to the query's.
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
         blocks: the forward kernel's :class:`AttentionBlocks` (default per platform).
+        global_shape, shard_offset: the operands are one shard of tensors whose batch dims
+            are ``global_shape[:-2]`` (``global_shape`` is ``(*batch, 1, 1)``: the SPMD layer
+            passes the sharding's rank), split along batch dims only; ``shard_offset``, int32
+            ``(2,)`` ``[high, low]``, is the flat batch index of the shard's first element.
+            Each shard draws its part of the whole tensor's mask.
 
     Returns:
         ``(output (*batch, L, Ev) in query's dtype, log-sum-exp (*batch, L) float32)``.
@@ -441,10 +470,11 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         out, lse = attention_forward(key_data, *tiling.widen_float16(query, key, value), bias=None if bias is None
                                      else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32)),
                                      dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa,
-                                     interpret=interpret, blocks=blocks)
+                                     interpret=interpret, blocks=blocks, global_shape=global_shape,
+                                     shard_offset=shard_offset)
         return out.astype(query.dtype), lse
     static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
-                     interpret=interpret, backward=False)
+                     interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
     q = _padded(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E)).reshape(
@@ -470,7 +500,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                         pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
         compiler_params=_compiler_params(),
         interpret=interpret,
-    )(*[_noise_key(key_data, impl), q, k, v, *([] if bias is None else [bias])])
+    )(*[_noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
     out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
     return out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)
 
@@ -565,7 +595,7 @@ def _sum_to(grad, problem: _Problem, operand_batch):
 def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p: float = 0.0,
                        impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
                        gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
-                       bias_grad: bool = False):
+                       bias_grad: bool = False, global_shape=None, shard_offset=None):
     """Gradients of :func:`attention_forward`'s output with respect to query, key and value
     (and, with ``bias_grad``, the float bias, summed to its shape), given the forward's
     ``out`` and ``lse`` and the same options. ``blocks`` are the backward kernels' own,
@@ -578,14 +608,14 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
     scale = 1.0 / math.sqrt(problem.E) if scale is None else scale
     options = dict(dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=interpret,
-                   blocks=blocks, bias_grad=bias_grad)
+                   blocks=blocks, bias_grad=bias_grad, global_shape=global_shape, shard_offset=shard_offset)
     if query.dtype == jnp.float16:
         wide_bias = None if bias is None else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32))
         grads = attention_backward(key_data, *tiling.widen_float16(query, key, value, out), lse,
                                    *tiling.widen_float16(grad_out), wide_bias, **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
     static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
-                     interpret=interpret, backward=True)
+                     interpret=interpret, backward=True, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
     rows = (problem.size, problem.L)
@@ -606,7 +636,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     if prepared_bias is not None and problem.bias_rows != 1:
         prepared_bias = _padded(prepared_bias, 1, L_padded)
     has_bias = prepared_bias is not None
-    operands = [_noise_key(key_data, impl), q, k, v, *([prepared_bias] if has_bias else []), grad_out, lse_rows, delta]
+    operands = [_noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []), grad_out, lse_rows, delta]
     num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
 
     specs, ordered, q_block = _specs(static, has_bias, kv_major=True)

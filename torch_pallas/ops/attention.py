@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding as sharding_
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import attention as attention_kernels
 
@@ -26,15 +26,69 @@ def _mask_operand(attn_mask):
     return () if attn_mask is None else (attn_mask,)
 
 
+def shard_dims(sharding: sharding_.Sharding, query, key, value, attn_mask, mask_grad: bool = False):
+    """How each operand follows ``sharding``, query's, for a run per shard: (query's dims,
+    key's and value's, the mask's or ``None``), as :func:`sharding_.call` takes them. Query's
+    batch dims may be split (key and value split with them: GQA heads too); its length and
+    head dims may not.
+
+    Raises:
+        ValueError: a split length or head dim, key or value broadcast along a split dim
+            (their gradients would be partial sums), uneven shards, or a float mask with a
+            gradient broadcast along a split dim.
+    """
+    rank = query.dim()
+    sharding.shard_shape(query.shape, "query")
+    tiles = sharding.tiles
+    if tiles[-2] > 1 or tiles[-1] > 1:
+        raise ValueError(f"query is split along its length or head dim ({sharding.text}); scaled_dot_product_attention "
+                         "runs per shard when only batch dims (batch, heads) are split")
+    batch_dims = tuple(range(rank - 2))
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != rank or any(tiles[d] > 1 and tensor.shape[d] == 1 for d in batch_dims):
+            raise ValueError(f"{name} of shape {tuple(tensor.shape)} is broadcast along a dim that query's sharding "
+                             f"{sharding.text} splits; give it query's batch dims")
+        sharding.shard_shape(tuple(tensor.shape[:-2]) + (1, 1), name)
+    mask = None
+    if attn_mask is not None:
+        # The mask's dims line up with query's from the right; it has at most query's rank.
+        lead = rank - attn_mask.dim()
+        mask = tuple(None if d + lead >= rank - 2 or attn_mask.shape[d] == 1 else d + lead
+                     for d in range(attn_mask.dim()))
+        if mask_grad and any(tiles[d + lead] > 1 and mask[d] is None for d in range(attn_mask.dim() - 2)):
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} requires a gradient and is broadcast "
+                             f"along a dim that query's sharding {sharding.text} splits")
+    query_dims = (*batch_dims, None, None)
+    return query_dims, query_dims, mask
+
+
+def _sharded_call(kernel, sharding_text, query, key, value, attn_mask, extra, extra_dims, out_dims, **static):
+    """``kernel(key_data, query, key, value, *extra, attn_mask)`` per shard of query's sharding,
+    each shard with the noise of its batch dims' place; ``out_dims(query's, key's, mask's
+    dims)`` says how the outputs are split."""
+    sharding = sharding_.Sharding.parse(sharding_text)
+    query_dims, kv_dims, mask_dims = shard_dims(sharding, query, key, value, attn_mask)
+    tensors = [static.pop("key_data"), query, key, value, *extra, *_mask_operand(attn_mask)]
+    in_dims = [(None,), query_dims, kv_dims, kv_dims, *extra_dims, *(() if attn_mask is None else (mask_dims,))]
+    return sharding_.call(kernel, sharding_text, tensors, in_dims, out_dims(query_dims, kv_dims, mask_dims),
+                          noise_shape=(*query.shape[:-2], 1, 1), **static)
+
+
 @torch.library.custom_op("torch_pallas::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
               key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
-              blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
+              sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, float32 row log-sum-exp ``(*batch, L)``) of
     :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked, shapes not
     empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward and the
-    backward kernels, or ``None`` for the default; the mask depends on neither."""
+    backward kernels, or ``None`` for the default; the mask depends on neither.
+    ``sharding``: torch_xla's text for query's SPMD sharding over batch dims; each device
+    runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
+    if sharding is not None:
+        return _sharded_call(attention_kernels.attention_forward, sharding, query, key, value, attn_mask, (), (),
+                             lambda q, kv, mask: [q, q[:-1]], key_data=key_data, dropout_p=dropout_p, impl=impl,
+                             causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks))
     return bridge.call(attention_kernels.attention_forward, key_data, query, key, value, *_mask_operand(attn_mask),
                        dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale, gqa=enable_gqa,
                        blocks=_blocks(blocks))
@@ -57,9 +111,18 @@ def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale,
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                        key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
-                       enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool) -> list[torch.Tensor]:
+                       enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
+                       sharding: Optional[str] = None) -> list[torch.Tensor]:
     """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
     float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
+    if sharding is not None:
+        return list(_sharded_call(
+            attention_kernels.attention_backward, sharding, query, key, value, attn_mask, (out, lse, grad_out),
+            (tuple(range(out.dim() - 2)) + (None, None), tuple(range(lse.dim() - 1)) + (None,),
+             tuple(range(out.dim() - 2)) + (None, None)),
+            lambda q, kv, mask: [q, kv, kv] + ([mask] if mask_grad else []), key_data=key_data,
+            dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks),
+            bias_grad=mask_grad))
     return list(bridge.call(attention_kernels.attention_backward, key_data, query, key, value, out, lse, grad_out,
                             *_mask_operand(attn_mask), dropout_p=dropout_p, impl=impl,
                             causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks),
@@ -67,16 +130,17 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
 
 
 @attention_backward.register_fake
-def _(grad_out, query, key, value, attn_mask, *options):
-    mask_grad = options[-1]
+def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, impl, is_causal, scale, enable_gqa,
+      blocks, mask_grad, sharding=None):
     grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
     return grads + ([torch.empty_like(attn_mask)] if mask_grad else [])
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _, backward_blocks = inputs
+    query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _, backward_blocks = inputs[:12]
     out, lse = output
     ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
+    ctx.sharding = inputs[-1]
     # What the backward recomputes from: no L x S matrix, the mask from its 8-byte key.
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, key_data)
 
@@ -85,9 +149,9 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse, key_data = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     grads = attention_backward(grad_out.contiguous(), query, key, value, attn_mask, out, lse, key_data,
-                               *ctx.options, mask_grad)
+                               *ctx.options, mask_grad, ctx.sharding)
     grad_mask = grads[3] if mask_grad else None
-    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None
+    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -110,7 +174,8 @@ class _Attention(torch.autograd.Function):
 
 def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
           key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
-          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None) -> torch.Tensor:
+          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
+          sharding: Optional[str] = None) -> torch.Tensor:
     """The output of :func:`attention`, differentiable under autograd, ``torch.func``'s
     reverse-mode transforms and ``torch.compile``."""
     if attn_mask is not None and torch.compiler.is_compiling():
@@ -121,5 +186,5 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         # call gives each layer's saved mask its own value.
         attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
     out, _ = _autograd.call(_Attention, attention, query, key, value, attn_mask, key_data, dropout_p, impl,
-                            is_causal, scale, enable_gqa, blocks, backward_blocks)
+                            is_causal, scale, enable_gqa, blocks, backward_blocks, sharding)
     return out
