@@ -184,3 +184,16 @@ def test_checkpoint_recomputes_the_forwards_attention_mask(monkeypatch):
     (forward,) = keys
     out.sum().backward()
     assert keys == [forward] * 3  # the forward, its recomputation and the backward kernels: one key
+
+
+def test_cpu_tensors_run_the_same_kernels_with_the_xla_devices_result():
+    """README, Plain CPU tensors: attention on the CPU through JAX = the XLA device's, for a seed."""
+    query = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    out = torch_pallas.scaled_dot_product_attention(query, query, query, dropout_p=0.3, seed=4, is_causal=True)
+    (grad,) = torch.autograd.grad(out.sum(), query)
+    on_xla = query.detach().to(DEVICE).requires_grad_()
+    expected = torch_pallas.scaled_dot_product_attention(on_xla, on_xla, on_xla, dropout_p=0.3, seed=4, is_causal=True)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), on_xla)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, expected.cpu(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, expected_grad.cpu(), atol=1e-5, rtol=1e-5)
