@@ -67,7 +67,7 @@ def llama_on_sdpa():
 
 def test_checkpoint_enable_recomputes_every_layer_with_its_forward_keys_and_trains(monkeypatch):
     torch.manual_seed(0)
-    model = gpt2_on_sdpa("eager").to(torch_xla.device()).train()  # eager: the attention dropout is routed too
+    model = gpt2_on_sdpa().to(torch_xla.device()).train()  # sdpa: its attention dropout is routed too
     assert torch_pallas.checkpoint.enable(model) is model and model.is_gradient_checkpointing
     ids = torch.randint(0, 128, (2, 16)).to(torch_xla.device())
     keys = record_dropout_keys(monkeypatch)
