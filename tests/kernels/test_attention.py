@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import emulated_hardware_tile_bits, jax_key, key_data
+from reference import emulated_hardware_tile_bits, jax_key, jax_random_part, key_data
 from torch_pallas.kernels import attention, prng
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
@@ -229,3 +229,17 @@ def test_a_shard_draws_its_part_of_the_whole_tensors_mask(impl, emulated_hardwar
                            argnums=(0, 1, 2))(query, key, value)
     for grad, whole_grad in zip(grads, whole_grads):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(whole_grad[part]), atol=1e-6, rtol=1e-6)
+
+
+def test_a_shard_past_2_32_weights_draws_jax_randoms_bits():
+    """Weights of 2**32 elements and more: threefry counters in two words. A shard of two
+    128 x 128 planes across the 2**32-th weight (plane 262144) of a (300000, 128, 128) batch."""
+    B, L, S = 300000, 128, 128
+    first = 2**32 // (L * S) - 1
+    value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (2, S, S))
+    out, _ = attention.attention_forward(jnp.asarray(KEY), jnp.zeros((2, L, 8)), jnp.zeros((2, S, 8)), value,
+                                         dropout_p=0.3, interpret=True, global_shape=(B, 1, 1),
+                                         shard_offset=np.array([0, first], np.int32))
+    expected = jax_random_part(lambda k: jax.random.bernoulli(k, np.float32(0.7), (B, L, S)), jax_key(1234),
+                               (slice(first, first + 2),))
+    np.testing.assert_array_equal(np.asarray(out) > 0, expected)
