@@ -12,8 +12,8 @@ and the gradients of q, k, v for an incoming gradient; inputs key, q, k, v and t
   the key/value and query backward kernels) with its default blocks, at dropout_p 0 and 0.1 with
   each impl (threefry, hardware);
 - ``jax flash``: JAX's own Pallas kernel, ``jax.experimental.pallas.ops.tpu.flash_attention``
-  (no dropout), with its default ``BlockSizes`` (128 everywhere) and with blocks equal to ours
-  (forward (256, 512), backward (128, 256));
+  (no dropout), with its default ``BlockSizes`` (128 everywhere) and with blocks equal to our
+  defaults (``attention._default_blocks``);
 - ``torch math``: what a torch_xla user has today, ``F.scaled_dot_product_attention(q, k, v,
   dropout_p=0.1)`` on XLA tensors (torch's math path: it upcasts to float32, materialises the
   scores, the probabilities and the dropout mask), the torch_xla lazy graph of the output (and
@@ -104,7 +104,7 @@ def _jax_flash(q, k, v, *, causal, block_sizes):
 
 
 def _our_block_sizes():
-    """JAX's BlockSizes equal to our default blocks: forward (q, kv) = (256, 512), backward (128, 256)."""
+    """JAX's BlockSizes equal to our default blocks (forward (q, kv), backward (q, kv))."""
     from jax.experimental.pallas.ops.tpu import flash_attention as flash
     forward = attention._default_blocks(None, interpret=False, backward=False)
     backward = attention._default_blocks(None, interpret=False, backward=True)

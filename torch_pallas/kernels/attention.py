@@ -176,8 +176,11 @@ def _default_blocks(problem: _Problem, interpret: bool, backward: bool) -> Atten
     if interpret:
         # Few grid steps: each costs a fixed host overhead in interpret mode.
         return AttentionBlocks(512, 512)
-    # The backward's score block feeds two more matrix products than the forward's.
-    return AttentionBlocks(128, 256) if backward else AttentionBlocks(256, 512)
+    # Larger blocks spread each grid step's fixed cost (pipeline bookkeeping, the row statistics'
+    # loads and stores) over more scores: on the compiler's schedule (bench/tpu_cost.py --only
+    # attention) forward (512, 512) and backward (256, 512) beat (256, 512) and (128, 256) on
+    # v4-v6e, and they compile on each up to E=256 float32 with a full float bias.
+    return AttentionBlocks(256, 512) if backward else AttentionBlocks(512, 512)
 
 
 def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: str, interpret: bool,
