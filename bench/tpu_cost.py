@@ -3,6 +3,7 @@
     .venv/bin/python bench/tpu_cost.py                 # markdown tables on stdout
     .venv/bin/python bench/tpu_cost.py --only dropout  # kernels whose name starts with this
     .venv/bin/python bench/tpu_cost.py --what-if       # also the hardware PRNG seeded per smaller tiles
+    .venv/bin/python bench/tpu_cost.py --only attention  # the flash-attention rows alone (bench/tpu_cost_attention.py)
 
 Each kernel (dropout, which is also its own backward; uniform / normal / bernoulli sampling; the
 IndRNN forward and backward), dtype (float32, bfloat16), noise impl (threefry, hardware) and TPU
@@ -22,6 +23,11 @@ compile-only client (torch_pallas.tpu_compile, interpret=False). Reported:
 
 Nothing runs on a TPU: the cycle counts are the compiler's schedule, not measurements, and DMA
 waits (the HBM-bound part) are not in them.
+
+The attention rows (``--only attention``; ``bench/tpu_cost_attention.py``) count bundles with
+``executed_schedule`` instead, which runs each kernel's scalar control flow so that regions under
+``pl.when`` count as often as they run (it agrees with ``static_schedule`` within 1 % on the kernels
+above, which branch only around their pipeline's first and last steps).
 """
 
 from __future__ import annotations
@@ -214,6 +220,244 @@ def static_schedule(path):
     return {"bundles": cycles, "valu_ops": ops, "grid_trip": grid_steps, "max_valu_per_bundle": max(valu)}
 
 
+# --- the executed schedule: the scalar unit's control flow, run -------------------------------------------------
+#
+# static_schedule counts every bundle of a loop body once per iteration, the bodies of `pl.when` regions
+# included. That is exact for the elementwise kernels (no conditional regions) but not for kernels whose
+# grid steps branch: a flash-attention step initialises its accumulators only at the first key block,
+# writes its output only at the last, and (causal) skips blocks above the diagonal. executed_schedule
+# follows the kernel's control flow instead: it runs the bundles' scalar ops (the sequencer's integer and
+# predicate arithmetic, SMEM spills; all of them are functions of the grid indices) and takes each branch
+# as the hardware would, counting how many times each bundle issues.
+
+_MASK32 = 2**32 - 1
+# Bundles that issue after a branch before it takes effect: 1 on v4, 4 on v5e, v5p and v6e (read off the
+# dumps: the bundles after a branch hold the region's ops predicated on the branch's negation).
+BRANCH_DELAY_SLOTS = {"v4": 1, "v5e": 4, "v5p": 4, "v6e": 4}
+_OP = re.compile(r"(?:%(?:[sp]\d+_([sp]\d+)|[\w.]+) = )?([a-z_][\w.]*)\s*(.*)")
+_PREDICATE = re.compile(r"\((!?)%p\w*_(p\d+)(?:, %\w+)?\)\s*,?\s*")
+_SIGNED = lambda x: x - 2**32 if x >= 2**31 else x  # noqa: E731
+_BINARY = {
+    "sadd.s32": lambda a, b: (a + b) & _MASK32, "ssub.s32": lambda a, b: (a - b) & _MASK32,
+    "smul.u32": lambda a, b: (a * b) & _MASK32, "sand.u32": lambda a, b: a & b, "sor.u32": lambda a, b: a | b,
+    "sxor.u32": lambda a, b: a ^ b, "sshll.u32": lambda a, b: (a << (b & 31)) & _MASK32,
+    "sshrl.u32": lambda a, b: a >> (b & 31), "sshra.s32": lambda a, b: (_SIGNED(a) >> (b & 31)) & _MASK32,
+    "pnand": lambda a, b: not (a and b), "por": lambda a, b: bool(a or b), "pand": lambda a, b: bool(a and b),
+}
+for _name, _compare in (("eq", lambda a, b: a == b), ("ne", lambda a, b: a != b), ("lt", lambda a, b: a < b),
+                        ("le", lambda a, b: a <= b), ("gt", lambda a, b: a > b), ("ge", lambda a, b: a >= b)):
+    _BINARY[f"scmp.{_name}.s32.totalorder"] = lambda a, b, c=_compare: c(_SIGNED(a), _SIGNED(b))
+    _BINARY[f"scmp.{_name}.u32.totalorder"] = _compare
+
+
+def _operand(text):
+    """('reg', name) / ('imm', value) / ('mem', address text) / ('?', text) of one operand."""
+    text = re.sub(r"/\*.*?\*/", "", text).strip()
+    register = re.fullmatch(r"%[sp]\w*_([sp]\d+)", text)
+    if register:
+        return ("reg", register.group(1))
+    if re.fullmatch(r"-?\d+", text):
+        return ("imm", int(text) & _MASK32)
+    memory = re.fullmatch(r"\[smem:\[(.*)\]\]", text)
+    if memory:
+        return ("mem", memory.group(1))
+    return ("?", text)
+
+
+def _scalar_ops(text):
+    """The ops of one bundle the interpreter runs: (dest register or None, op, predicate (negated,
+    register) or None, operands); a branch as ("sbr", predicate, region)."""
+    ops = []
+    for raw in text[text.index("{") + 1:].split(";;"):
+        op_text = re.sub(r"/\*(?!predicate=|on_true=|on_false=).*?(\*/|$)", "", raw).strip()
+        if op_text.endswith("}"):
+            op_text = op_text[:-1].strip()
+        match = _OP.match(op_text)
+        if not match:
+            continue
+        dest, name, rest = match.groups()
+        if name == "sld" and "/* core id */" in raw:
+            # The TensorCore's index (v5p's megacore splits "parallel" grids over two): count core 0's work.
+            ops.append((dest, "smov", None, [("imm", 0)]))
+            continue
+        if name.startswith(("v", "dma", "int_to_ptr")) or name in ("sphi", "shalt.err", "sfence"):
+            # Vector and DMA ops; phis are copies into the same physical register after allocation, and
+            # int_to_ptr retypes the register it reads (it shares a bundle with the op that wrote it).
+            continue
+        predicate = None
+        guard = _PREDICATE.match(rest)
+        if guard:
+            predicate, rest = (guard.group(1) == "!", guard.group(2)), rest[guard.end():]
+        else:  # a predicate may also follow the operands: sld [smem:[...]] (%p1_p13)
+            guard = re.search(r"\s*\((!?)%p\w*_(p\d+)\)\s*$", rest)
+            if guard:
+                predicate, rest = (guard.group(1) == "!", guard.group(2)), rest[:guard.start()]
+        if name == "sbr.rel":
+            target = re.search(r"target bundleno = (\d+) .*region = (\d+)", rest)
+            ops.append(("sbr", predicate, (int(target.group(1)), int(target.group(2)))))
+            continue
+        if name == "scalar_select":
+            parts = re.findall(r"/\*(?:predicate|on_true|on_false)=\*/\s*([^,]+)", rest)
+            ops.append((dest, name, predicate, [_operand(p) for p in parts]))
+            continue
+        if dest is None and name != "sst":
+            continue
+        if name == "sst":
+            address, value = re.match(r"(\[smem:\[.*?\]\])\s*(.*)", rest).groups()
+            ops.append((None, name, predicate, [_operand(address), _operand(value)]))
+            continue
+        ops.append((dest, name, predicate, [_operand(p) for p in rest.split(",")] if rest.strip() else []))
+    return ops
+
+
+def _address(operand, registers):
+    """An SMEM address's key: its allocation text, with a register's value where it has one."""
+    text = operand[1]
+    register = re.fullmatch(r"%[sp]\w*_([sp]\d+)(.*)", text)
+    if register:
+        value = registers.get(register.group(1))
+        return None if value is None else f"{value}{register.group(2)}"
+    return text
+
+
+def executed_schedule(path, delay_slots):
+    """Bundles issued by one run of a compiled kernel (or XLA fusion), following its control flow:
+    the scalar unit's ops are interpreted (integer arithmetic, compares, predicates, SMEM spills),
+    branches taken as their predicates say after ``delay_slots`` bundles. Values the sequencer reads
+    from outside (operand addresses, key words in SMEM, vector results popped to scalars) are unknown;
+    a branch on an unknown value raises ValueError (none of the kernels here has one).
+
+    Returns {"bundles": total issued, "counts": issues per bundle (in dump order), "ops": [op names per
+    bundle]}."""
+    bundles = _bundles(path)
+    texts = [text for _, _, _, text in bundles]
+    n = len(bundles)
+    # A branch names the region it goes to: a branch back, the loop whose head starts that region (an
+    # "LB" bundle, "Start region N"); a branch forward, around a skipped region, the empty region that
+    # marks where it lands ("Start/End empty region N", a "PF" bundle). (Its "bundleno" is not the dump's
+    # bundle index: it counts instruction words, and long bundles take more than one.)
+    marks = {}
+    for i, text in enumerate(texts):
+        for region in re.findall(r"Start(?:/End empty)? region (\d+)\b", text):
+            marks.setdefault(int(region), []).append(i)
+
+    def target_of(pc, bundleno, region):
+        candidates = marks.get(region, [])
+        back = [i for i in candidates if i <= pc and bundles[i][1]]
+        forward = [i for i in candidates if i > pc]
+        if bundleno <= int(texts[pc].split()[0], 0) and back:
+            return back[-1]
+        if bundleno > int(texts[pc].split()[0], 0) and forward:
+            return forward[0]
+        if bundleno > int(texts[pc].split()[0], 0) and "exit bundle" in texts[-1]:
+            return n - 1  # a branch to the program's end (v5p: the second TensorCore skipping a fusion)
+        raise ValueError(f"{os.path.basename(path)}: no target for the branch at bundle {pc} (bundle number "
+                         f"{bundleno}, region {region})")
+
+    program = [_scalar_ops(text) for text in texts]
+    interesting = [bool(ops) for ops in program]
+    next_interesting = [n] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        next_interesting[i] = i if interesting[i] else next_interesting[i + 1]
+    registers, memory = {}, {}
+    difference = [0] * (n + 1)
+    pc, pending, issued = 0, None, 0
+
+    def value(operand):
+        kind, content = operand
+        if kind == "imm":
+            return content
+        if kind == "reg":
+            return registers.get(content)
+        return None
+
+    steps = 0
+    while pc < n:
+        steps += 1
+        if steps > 10**8:
+            raise ValueError(f"{os.path.basename(path)}: still running after 10^8 interpreted bundles")
+        if pending is None and not interesting[pc]:
+            # Straight through the bundles that hold no scalar op.
+            stop = next_interesting[pc]
+            difference[pc] += 1
+            difference[stop] -= 1
+            issued += stop - pc
+            pc = stop
+            if pc >= n:
+                break
+        difference[pc] += 1
+        difference[pc + 1] -= 1
+        issued += 1
+        writes, branch = [], None
+        for op in program[pc]:
+            if op[0] == "sbr":
+                _, predicate, region = op
+                taken = True
+                if predicate is not None:
+                    flag = registers.get(predicate[1])
+                    if flag is None:
+                        raise ValueError(f"{os.path.basename(path)}: the branch at bundle {pc} depends on an unknown "
+                                         f"predicate ({predicate[1]})")
+                    taken = (not flag) if predicate[0] else bool(flag)
+                branch = (taken, target_of(pc, *region) if taken else None)
+                continue
+            dest, name, predicate, operands = op
+            if predicate is not None:
+                flag = registers.get(predicate[1])
+                if flag is None:
+                    if dest is not None:
+                        writes.append((dest, None))
+                    continue
+                if flag == predicate[0]:  # (!p) with p true, or (p) with p false: the op does not issue
+                    continue
+            if name == "sst":
+                address = _address(operands[0], registers)
+                if address is not None:
+                    writes.append((("mem", address), value(operands[1])))
+                continue
+            if name == "sld":
+                address = _address(operands[0], registers) if operands[0][0] == "mem" else None
+                result = memory.get(address)
+            elif name in ("smov", "pmov"):
+                result = value(operands[0]) if operands else None
+            elif name == "pneg":
+                flag = value(operands[0])
+                result = None if flag is None else not flag
+            elif name == "scalar_select":
+                flag, on_true, on_false = (value(o) for o in operands)
+                result = None if flag is None else (on_true if flag else on_false)
+            elif name in _BINARY and len(operands) == 2:
+                a, b = value(operands[0]), value(operands[1])
+                result = None if a is None or b is None else _BINARY[name](a, b)
+            else:
+                result = None  # addresses, pops from vector units, parameters: not needed for control flow
+            writes.append((dest, result))
+        for dest, result in writes:
+            if isinstance(dest, tuple):
+                memory[dest[1]] = result
+            else:
+                registers[dest] = result
+        if pending is not None:
+            pending[0] -= 1
+        if branch is not None:
+            if pending is not None:
+                raise ValueError(f"{os.path.basename(path)}: a branch in another branch's delay slots at bundle {pc}")
+            pending = [delay_slots, *branch]
+        pc += 1
+        if pending is not None and pending[0] == 0:
+            _, taken, target = pending
+            pending = None
+            if taken:
+                pc = target
+        elif pending is not None and pending[0] > 0 and pc >= n:
+            break
+    counts, running = [], 0
+    for i in range(n):
+        running += difference[i]
+        counts.append(running)
+    return {"bundles": issued, "counts": counts, "ops": [ops for _, _, ops, _ in bundles]}
+
+
 def kernel_dumps(before):
     """The final_bundles dumps of the Pallas kernels (custom calls) compiled since ``before``."""
     new = sorted(set(glob.glob(os.path.join(DUMP, "*final_bundles.txt"))) - before)
@@ -249,7 +493,7 @@ def _cost_bytes(cost):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="kernels whose name starts with this")
+    parser.add_argument("--only", help="kernels whose name starts with this ('attention': the attention rows alone)")
     parser.add_argument("--generations", nargs="*", default=list(tpu_compile.GENERATIONS))
     parser.add_argument("--what-if", action="store_true",
                         help="also the library's hardware dropout seeded per (8, 1024) and (32, 1024) tiles, "
@@ -258,10 +502,23 @@ def main():
     options = parser.parse_args()
     if not tpu_compile.available():
         sys.exit("libtpu (the TPU compiler) is not installed")
+    selected = [c for c in itertools.chain(configurations(), what_if_configurations() if options.what_if else ())
+                if not options.only or c["kernel"].startswith(options.only)]
+    if selected:
+        elementwise_and_recurrence(selected, options)
+    if not options.only or "attention".startswith(options.only):
+        import tpu_cost_attention
+        section = tpu_cost_attention.run(options.generations)
+        print(f"Generated by `.venv/bin/python bench/tpu_cost.py --only attention` (libtpu "
+              f"{importlib.metadata.version('libtpu')}'s compile-only client, jax {jax.__version__}); "
+              f"{tpu_cost_attention.DTYPE}, the library's default blocks. Nothing ran on a TPU.\n")
+        print(section)
+
+
+def elementwise_and_recurrence(selected, options):
+    """The tables of the elementwise and IndRNN kernels (``selected`` configurations)."""
     compile_rows, roofline_rows, long_rows, max_valu = [], [], [], {}
-    for c in itertools.chain(configurations(), what_if_configurations() if options.what_if else ()):
-        if options.only and not c["kernel"].startswith(options.only):
-            continue
+    for c in selected:
         name = [c["kernel"], c["dtype"], c["impl"]]
         compile_cells, roofline_cells, summary = [], [], None
         for generation in options.generations:
@@ -329,4 +586,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # tpu_peers and tpu_cost_attention import this module: let them find this instance (its DUMP).
+    sys.modules.setdefault("tpu_cost", sys.modules[__name__])
     main()

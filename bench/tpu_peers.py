@@ -110,11 +110,12 @@ def fusion_schedule(path):
     return round(cost(0, len(bundles) - 1, 1)), windows
 
 
-def program_schedule(before):
+def program_schedule(before, schedule=None):
     """The static schedule of the program compiled since ``before`` (a set of dump paths): bundles
     of its top-level program (the sequencer that launches each fusion and kernel once; straight
     line here), plus each XLA fusion's (``fusion_schedule``) and each Pallas kernel's
-    (``tpu_cost.static_schedule``). The programs here have no loops at top level, so every fusion
+    (``tpu_cost.static_schedule``), or ``schedule(path)``'s for both where given (the attention rows
+    pass ``tpu_cost.executed_schedule``). The programs here have no loops at top level, so every fusion
     and kernel runs once. Returns (total bundles, {dump name: bundles}) and the optimised HLO."""
     new = sorted(set(glob.glob(os.path.join(DUMP, "*"))) - before)
     parts, hlo = {}, None
@@ -127,6 +128,8 @@ def program_schedule(before):
         label = re.sub(r"^\d+-|-\d+-final_bundles\.txt$", "", name)
         if "-TLP" in name or label == "TLP":
             parts[label] = len(_bundles(path))
+        elif schedule is not None:
+            parts[label] = schedule(path)
         elif "= custom-call(" in open(path).read():
             parts[label] = static_schedule(path)["bundles"]
         else:

@@ -176,8 +176,11 @@ def _default_blocks(problem: _Problem, interpret: bool, backward: bool) -> Atten
     if interpret:
         # Few grid steps: each costs a fixed host overhead in interpret mode.
         return AttentionBlocks(512, 512)
-    # The backward's score block feeds two more matrix products than the forward's.
-    return AttentionBlocks(128, 256) if backward else AttentionBlocks(256, 512)
+    # Larger blocks spread each grid step's fixed cost (pipeline bookkeeping, the row statistics'
+    # loads and stores) over more scores: on the compiler's schedule (bench/tpu_cost.py --only
+    # attention) forward (512, 512) and backward (256, 512) beat (256, 512) and (128, 256) on
+    # v4-v6e, and they compile on each up to E=256 float32 with a full float bias.
+    return AttentionBlocks(256, 512) if backward else AttentionBlocks(512, 512)
 
 
 def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: str, interpret: bool,
@@ -319,28 +322,41 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
     @pl.when(_runs(static, q_index, kv_index))
     def _():
         s = _score_block(static, q_ref[...], k_ref[...], bias_ref, q_index, kv_index)
-        previous_max = max_ref[...][:, :1]
+        # The row statistics stay (q, ROW_STAT_LANES) with every lane the row's value (see _lanes).
+        previous_max = max_ref[...]
         new_max = jnp.maximum(previous_max, jnp.max(s, axis=1, keepdims=True))
         # A row with no score above -inf yet subtracts 0, so its exponentials are 0, not NaN.
         shift = jnp.where(new_max == -jnp.inf, np.float32(0.0), new_max)
-        p = jnp.exp(s - shift)
+        p = jnp.exp(s - _lanes(shift, static.blocks.kv))
         correction = jnp.exp(previous_max - shift)
-        sum_ref[...] = jnp.broadcast_to(correction * sum_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True),
-                                        sum_ref.shape)
-        max_ref[...] = jnp.broadcast_to(new_max, max_ref.shape)
+        sum_ref[...] = correction * sum_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        max_ref[...] = new_max
         if static.dropout_p:
             p = p * _keep_scale(static, key_ref, b, q_index, kv_index)
         v = v_ref[...]
-        acc_ref[...] = correction * acc_ref[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_ref[...] = (_lanes(correction, static.problem.Ev) * acc_ref[...]
+                        + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
     def _():
-        total = sum_ref[...][:, :1]
+        total = sum_ref[...]
         empty = total == 0.0
         # torch's safe softmax: a row with every score -inf attends to nothing.
-        out_ref[...] = (acc_ref[...] / jnp.where(empty, np.float32(1.0), total)).astype(out_ref.dtype)
-        lse = jnp.where(empty, jnp.inf, max_ref[...][:, :1] + jnp.log(jnp.where(empty, np.float32(1.0), total)))
-        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+        safe_total = jnp.where(empty, np.float32(1.0), total)
+        out_ref[...] = (acc_ref[...] / _lanes(safe_total, static.problem.Ev)).astype(out_ref.dtype)
+        lse_ref[...] = jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total))
+
+
+def _lanes(row_stat, cols):
+    """A (rows, ROW_STAT_LANES) row statistic whose lanes all hold the row's value, as (rows, cols).
+    Repeating whole vregs (or taking their first lanes) keeps the values where they are; broadcasting
+    a (rows, 1) column costs a cross-lane permute per vreg of rows, which the kernels' steps would
+    otherwise spend on every score block."""
+    if cols % ROW_STAT_LANES == 0:
+        return pltpu.repeat(row_stat, cols // ROW_STAT_LANES, axis=1)
+    if cols < ROW_STAT_LANES:
+        return row_stat[:, :cols]
+    return jnp.broadcast_to(row_stat[:, :1], (row_stat.shape[0], cols))
 
 
 def _padded(array, axis, length):
@@ -524,7 +540,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
     def _():
         q, grad_out = q_ref[...], grad_out_ref[...]
         s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
-        p = _probabilities(static, s, lse_ref[...][:, :1])
+        p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
         v = v_ref[...]
         grad_p = lax.dot_general(grad_out, v, _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         dropped = p
@@ -533,7 +549,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
             dropped = p * keep_scale
             grad_p = grad_p * keep_scale
         grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
-        grad_s = p * (grad_p - delta_ref[...][:, :1])
+        grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
     @pl.when(q_index == pl.num_programs(2) - 1)
@@ -558,11 +574,11 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
     def _():
         k = k_ref[...]
         s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
-        p = _probabilities(static, s, lse_ref[...][:, :1])
+        p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
         grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         if static.dropout_p:
             grad_p = grad_p * _keep_scale(static, key_ref, b, q_index, kv_index)
-        grad_s = p * (grad_p - delta_ref[...][:, :1])
+        grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
         if bias_grad:
             grad_bias_ref[...] = grad_s
         grad_q_acc[...] += jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
