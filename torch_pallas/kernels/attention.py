@@ -270,8 +270,9 @@ def _global_plane(static: _Static, noise_ref, b):
     return plane
 
 
-def _keep_scale(static: _Static, key_ref, b, q_index, kv_index):
-    """float32 (q, kv): ``1 / (1 - p)`` where the element is kept, 0 where dropped."""
+def _kept(static: _Static, key_ref, b, q_index, kv_index):
+    """bool (q, kv): which weights of the block dropout keeps. The kernels select with it and
+    apply ``1 / (1 - p)`` once per row (:func:`kept_scale`), not per weight."""
     problem, blocks = static.problem, static.blocks
     row0, col0 = q_index * blocks.q, kv_index * blocks.kv
     b = _global_plane(static, key_ref, b)
@@ -291,10 +292,12 @@ def _keep_scale(static: _Static, key_ref, b, q_index, kv_index):
                    for tile_col in range(blocks.kv // tile[1])]
             rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
         bits = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
-    keep = prng.bernoulli_from_bits(bits, np.float32(1.0 - static.dropout_p))
-    # dropout_p == 1 keeps nothing (the threshold is 0): its scale is never used.
-    kept = 1.0 / (1.0 - static.dropout_p) if static.dropout_p < 1 else 0.0
-    return jnp.where(keep, np.float32(kept), np.float32(0.0))
+    return prng.bernoulli_from_bits(bits, np.float32(1.0 - static.dropout_p))
+
+
+def kept_scale(dropout_p: float) -> np.float32:
+    """The factor of a kept weight, ``1 / (1 - p)``; 0 for ``p == 1``, which keeps nothing."""
+    return np.float32(1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
 
 
 def _runs(static: _Static, q_index, kv_index):
@@ -332,7 +335,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         sum_ref[...] = correction * sum_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         max_ref[...] = new_max
         if static.dropout_p:
-            p = p * _keep_scale(static, key_ref, b, q_index, kv_index)
+            p = jnp.where(_kept(static, key_ref, b, q_index, kv_index), p, np.float32(0.0))
         v = v_ref[...]
         acc_ref[...] = (_lanes(correction, static.problem.Ev) * acc_ref[...]
                         + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
@@ -343,7 +346,9 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         empty = total == 0.0
         # torch's safe softmax: a row with every score -inf attends to nothing.
         safe_total = jnp.where(empty, np.float32(1.0), total)
-        out_ref[...] = (acc_ref[...] / _lanes(safe_total, static.problem.Ev)).astype(out_ref.dtype)
+        # The kept weights' 1 / (1 - p) joins the normaliser: once per row, not per weight.
+        inverse = (kept_scale(static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
+        out_ref[...] = (acc_ref[...] * _lanes(inverse, static.problem.Ev)).astype(out_ref.dtype)
         lse_ref[...] = jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total))
 
 
@@ -542,12 +547,14 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
         p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
         v = v_ref[...]
+        # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
+        # factor is in it, so a dropped weight is a select.
         grad_p = lax.dot_general(grad_out, v, _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         dropped = p
         if static.dropout_p:
-            keep_scale = _keep_scale(static, key_ref, b, q_index, kv_index)
-            dropped = p * keep_scale
-            grad_p = grad_p * keep_scale
+            kept = _kept(static, key_ref, b, q_index, kv_index)
+            dropped = jnp.where(kept, p, np.float32(0.0))
+            grad_p = jnp.where(kept, grad_p, np.float32(0.0))
         grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
         grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
@@ -577,7 +584,7 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
         p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
         grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         if static.dropout_p:
-            grad_p = grad_p * _keep_scale(static, key_ref, b, q_index, kv_index)
+            grad_p = jnp.where(_kept(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
         grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
         if bias_grad:
             grad_bias_ref[...] = grad_s
@@ -641,8 +648,10 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
 
     full = (*problem.batch, problem.L)
     q = per_row(jnp.broadcast_to(query, (*full, problem.E)))
-    grad_out = per_row(grad_out.astype(query.dtype))
-    delta = jnp.sum(grad_out.astype(jnp.float32) * per_row(out).astype(jnp.float32), axis=-1, keepdims=True)
+    grad_out = per_row(grad_out).astype(jnp.float32)
+    delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1, keepdims=True)
+    # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).
+    grad_out = (grad_out * kept_scale(dropout_p) if dropout_p else grad_out).astype(query.dtype)
     lse_rows = jnp.pad(lse.reshape(rows), ((0, 0), (0, L_padded - problem.L)), constant_values=jnp.inf)
     lse_rows = jnp.broadcast_to(lse_rows[..., None], (*lse_rows.shape, ROW_STAT_LANES))
     delta = jnp.broadcast_to(delta, (problem.size, L_padded, ROW_STAT_LANES))

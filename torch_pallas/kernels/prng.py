@@ -278,10 +278,12 @@ def bernoulli_from_bits(bits: jax.Array, probability_of_true) -> jax.Array:
 
     True where the float32 uniform is below ``probability_of_true`` (a float32), as in JAX.
     That uniform is exactly ``(bits >> 9) * 2**-23``, so with a static probability the test
-    is the integer ``bits >> 9 < ceil(probability * 2**23)``: the same mask, two vector
-    ops fewer than building the float.
+    is the integer ``bits >> 9 < ceil(probability * 2**23)``, that is ``bits <
+    ceil(probability * 2**23) * 2**9``: the same mask in one vector op.
     """
     if isinstance(probability_of_true, jax.core.Tracer):
         return unit_uniform(bits, jnp.float32) < probability_of_true
     threshold = math.ceil(float(np.float32(probability_of_true)) * 2.0**23)  # exact: 24-bit mantissa
-    return (bits >> np.uint32(9)) < np.uint32(threshold)
+    if threshold >= 2**23:  # every uniform is below 1
+        return jnp.ones(bits.shape, jnp.bool_)
+    return bits < np.uint32(threshold << 9)
