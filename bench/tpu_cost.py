@@ -24,10 +24,11 @@ compile-only client (torch_pallas.tpu_compile, interpret=False). Reported:
 Nothing runs on a TPU: the cycle counts are the compiler's schedule, not measurements, and DMA
 waits (the HBM-bound part) are not in them.
 
-The attention rows (``--only attention``; ``bench/tpu_cost_attention.py``) count bundles with
-``executed_schedule`` instead, which runs each kernel's scalar control flow so that regions under
-``pl.when`` count as often as they run (it agrees with ``static_schedule`` within 1 % on the kernels
-above, which branch only around their pipeline's first and last steps).
+The attention rows (``--only attention``; ``bench/tpu_cost_attention.py``) and the whole programs of
+``bench/tpu_peers.py`` count bundles with ``executed_schedule`` instead, which runs each kernel's (and
+XLA fusion's) scalar control flow so that regions under ``pl.when`` count as often as they run (it
+agrees with ``static_schedule`` within 1 % on the kernels above, which branch only around their
+pipeline's first and last steps).
 """
 
 from __future__ import annotations

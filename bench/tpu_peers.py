@@ -16,11 +16,12 @@ compile-only client (nothing runs on a TPU):
   ``tpu_compile.compile_for_tpu``.
 
 Reported per generation: the compiler's static schedule of the whole program (bundles / clock,
-summed over every executed fusion and kernel, read from libtpu's final-bundles dumps: see
-``program_schedule``), HBM bytes (``hbm_bytes``: from the optimised HLO's buffer placement; the
-``cost_analysis()`` total counts buffers the compiler keeps out of HBM) and their time at the
-published bandwidth, peak memory (``peak_memory_in_bytes``), temporaries, and what the backward reads
-of the forward (from the optimised HLO: a saved mask, or the RNG recomputed from the key).
+summed over every fusion and kernel, each run through its control flow by
+``tpu_cost.executed_schedule`` on libtpu's final-bundles dumps: see ``program_schedule``), HBM bytes
+(``hbm_bytes``: from the optimised HLO's buffer placement; the ``cost_analysis()`` total counts
+buffers the compiler keeps out of HBM) and their time at the published bandwidth, peak memory
+(``peak_memory_in_bytes``), temporaries, and what the backward reads of the forward (from the
+optimised HLO: a saved mask, or the RNG recomputed from the key).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpu_cost  # noqa: E402  (first: sets libtpu's dump flags before anything initialises it)
-from tpu_cost import DUMP, HARDWARE, _bundles, _loops, static_schedule  # noqa: E402
+from tpu_cost import BRANCH_DELAY_SLOTS, DUMP, HARDWARE, _bundles, executed_schedule  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -52,71 +53,14 @@ PEERS = ("torch F.dropout", "jax threefry2x32", "jax rbg", "jax unsafe_rbg",
 
 # --- the static schedule of a whole program -----------------------------------------------------------------------
 
-def _address(text):
-    return int(text.split()[0], 0)
-
-
-def fusion_schedule(path):
-    """Bundles of one run of an XLA fusion (an XLA-emitted loop nest, not a Pallas kernel).
-
-    An XLA fusion is one software-pipelined loop over its windows (backend_config
-    ``iteration_bounds``): the loop runs ``trip`` times (its ``loop exit test``), and the body proper
-    sits behind a branch taken unless ``lo <= iteration < hi`` (``scmp.ge ..., lo``, ``scmp.lt ...,
-    hi``, ``pnand``), so it runs ``hi - lo`` times and the rest of the loop (the pipeline's DMA
-    issue and waits) ``trip`` times. Loops inside the body count their trip counts (as in
-    ``tpu_cost.static_schedule``). Returns (bundles, windows run = hi - lo summed, or None)."""
-    bundles = _bundles(path)
-    index = {_address(text): i for i, (_, _, _, text) in enumerate(bundles)}
-    loops = _loops(bundles)
-    # Skipped regions: (first, last, runs) for each guarded body.
-    guards = []
-    for first, last, trip in loops:
-        text = "".join(bundles[j][3] for j in range(first, last + 1))
-        for branch in re.finditer(r"sbr\.rel \((%p[0-9a-z_]+)\) target bundleno = (\d+)", text):
-            predicate = branch.group(1)
-            nand = re.search(rf"{re.escape(predicate)} = pnand (%p[0-9a-z_]+), (%p[0-9a-z_]+)", text)
-            if not nand:
-                continue
-            bounds = {}
-            for operand in nand.groups():
-                compare = re.search(rf"{re.escape(operand)} = scmp\.(ge|lt)\.s32\.totalorder %s[0-9a-z_]+, (\d+)", text)
-                if compare:
-                    bounds[compare.group(1)] = int(compare.group(2))
-            if set(bounds) != {"ge", "lt"}:
-                continue
-            start = next(j for j in range(first, last + 1) if f"sbr.rel ({predicate})" in bundles[j][3]) + 1
-            target = int(branch.group(2))
-            end = max(j for a, j in index.items() if a < target)
-            guards.append((start, end, bounds["lt"] - bounds["ge"]))
-    windows = sum(g[2] for g in guards) if guards else None
-
-    def cost(first, last, outer_trip):
-        cycles, i = 0, first
-        while i <= last:
-            guard = next((g for g in guards if g[0] == i and g[1] <= last), None)
-            inner = next((loop for loop in loops
-                          if loop[0] == i and loop[1] <= last and (loop[0], loop[1]) != (first, last)), None)
-            if guard is not None and (first, last) != guard[:2]:
-                # The guarded body runs guard[2] times in all, i.e. guard[2] / outer_trip per pass here.
-                cycles += cost(guard[0], guard[1], 1) * guard[2] / outer_trip
-                i = guard[1] + 1
-            elif inner is not None:
-                cycles += inner[2] * cost(inner[0], inner[1], inner[2])
-                i = inner[1] + 1
-            else:
-                cycles, i = cycles + 1, i + 1
-        return cycles
-
-    return round(cost(0, len(bundles) - 1, 1)), windows
-
-
-def program_schedule(before, schedule=None):
-    """The static schedule of the program compiled since ``before`` (a set of dump paths): bundles
-    of its top-level program (the sequencer that launches each fusion and kernel once; straight
-    line here), plus each XLA fusion's (``fusion_schedule``) and each Pallas kernel's
-    (``tpu_cost.static_schedule``), or ``schedule(path)``'s for both where given (the attention rows
-    pass ``tpu_cost.executed_schedule``). The programs here have no loops at top level, so every fusion
-    and kernel runs once. Returns (total bundles, {dump name: bundles}) and the optimised HLO."""
+def program_schedule(before, schedule):
+    """The schedule of the program compiled since ``before`` (a set of dump paths): bundles of its
+    top-level program (the sequencer that launches each fusion and kernel once; straight line here),
+    plus ``schedule(path)``'s bundles for each XLA fusion and Pallas kernel (``measure`` passes
+    ``tpu_cost.executed_schedule``'s, which follows each one's control flow, so that an XLA fusion's
+    guarded body counts its windows and a Pallas kernel's pipeline-only grid steps are left out). The
+    programs here have no loops at top level, so every fusion and kernel runs once. Returns (total
+    bundles, {dump name: bundles}) and the optimised HLO."""
     new = sorted(set(glob.glob(os.path.join(DUMP, "*"))) - before)
     parts, hlo = {}, None
     for path in new:
@@ -126,14 +70,7 @@ def program_schedule(before, schedule=None):
         if not name.endswith("final_bundles.txt") or "schedule-analysis" in name:
             continue
         label = re.sub(r"^\d+-|-\d+-final_bundles\.txt$", "", name)
-        if "-TLP" in name or label == "TLP":
-            parts[label] = len(_bundles(path))
-        elif schedule is not None:
-            parts[label] = schedule(path)
-        elif "= custom-call(" in open(path).read():
-            parts[label] = static_schedule(path)["bundles"]
-        else:
-            parts[label] = fusion_schedule(path)[0]
+        parts[label] = len(_bundles(path)) if "-TLP" in name or label == "TLP" else schedule(path)
 
     return sum(parts.values()), parts, hlo
 
@@ -254,7 +191,8 @@ def measure(peer, shape, dtype, generation):
         compiled = compile_torch(peer, shape, dtype, generation)
         peak, temp, cost = compiled.peak_bytes, compiled.temp_bytes, compiled.cost
     seconds = time.perf_counter() - start
-    bundles, parts, hlo = program_schedule(before)
+    bundles, parts, hlo = program_schedule(
+        before, lambda path: executed_schedule(path, BRANCH_DELAY_SLOTS[generation])["bundles"])
     return dict(seconds=seconds, peak=peak, temp=temp, bytes=hbm_bytes(hlo), xla_bytes=cost.get("bytes accessed", 0.0),
                 bundles=bundles,
                 parts=parts, saved=saved_for_backward(peer, hlo or "", math.prod(shape)))
@@ -312,8 +250,9 @@ def main():
     libtpu = importlib.metadata.version("libtpu")
     print(f"Generated by `.venv/bin/python bench/tpu_peers.py` (libtpu {libtpu}'s compile-only client, "
           f"jax {jax.__version__}). Per generation: the whole program's static schedule in µs (bundles / clock, "
-          "summed over its fusions and kernels) / HBM time in µs (bytes the optimised HLO moves to and from HBM, "
-          "`hbm_bytes`, / published bandwidth) / peak MiB (`peak_memory_in_bytes`) / temp MiB. Nothing ran on a TPU.\n")
+          "summed over its fusions and kernels, each counted by `tpu_cost.executed_schedule`) / HBM time in µs "
+          "(bytes the optimised HLO moves to and from HBM, `hbm_bytes`, / published bandwidth) / peak MiB "
+          "(`peak_memory_in_bytes`) / temp MiB. Nothing ran on a TPU.\n")
     print(markdown_table(["elements", "dtype", "peer", *options.generations], rows))
     print(f"\n**What the backward reads of the forward** (optimised HLO, {options.generations[0]}, the largest size):\n")
     print(markdown_table(["peer", "dtype", "saved for the backward"], [[p, d, s] for (p, d), s in saved.items()]))
