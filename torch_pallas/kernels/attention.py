@@ -47,6 +47,7 @@ from torch_pallas.kernels import arguments, prng, tiling
 ROW_STAT_LANES = tiling.LANES
 _TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
 _HARDWARE_TILE_MAX_COLS = 512
+_HARDWARE_TILE_MAX_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +97,16 @@ class _Problem:
 
 
 def attention_tile(L: int, S: int) -> tuple[int, int]:
-    """The tile the hardware PRNG is seeded per over a batch element's ``L x S`` plane:
-    :func:`tiling.hardware_tile` of the plane, at most 512 lanes wide so that a score block
-    of whole tiles stays small enough for VMEM."""
-    rows, cols = tiling.hardware_tile(L, S)
-    while cols > _HARDWARE_TILE_MAX_COLS:
-        cols //= 2
-        rows = min(rows * 2, 64) if tiling.round_up(L, tiling.SUBLANES) % min(rows * 2, 64) == 0 else rows
+    """The tile the hardware PRNG is seeded per over a batch element's ``L x S`` plane: the
+    lanes of :func:`tiling.hardware_tile` of the plane, at most 512 (a score block of whole
+    tiles stays small enough for VMEM), and as many rows, up to 256, as divide ``L`` in whole
+    8-row sublanes. Seeding hashes a whole vreg, so the tile is as large as the default
+    blocks take: every forward and backward default block is whole tiles."""
+    cols = min(tiling.hardware_tile(L, S)[1], _HARDWARE_TILE_MAX_COLS)
+    height = tiling.round_up(L, tiling.SUBLANES)
+    rows = tiling.SUBLANES
+    while rows * 2 <= _HARDWARE_TILE_MAX_ROWS and height % (rows * 2) == 0:
+        rows *= 2
     return rows, cols
 
 
