@@ -106,8 +106,8 @@ def _jax_flash(q, k, v, *, causal, block_sizes):
 def _our_block_sizes():
     """JAX's BlockSizes equal to our default blocks (forward (q, kv), backward (q, kv))."""
     from jax.experimental.pallas.ops.tpu import flash_attention as flash
-    forward = attention._default_blocks(None, interpret=False, backward=False)
-    backward = attention._default_blocks(None, interpret=False, backward=True)
+    forward = attention._default_blocks(interpret=False, backward=False)
+    backward = attention._default_blocks(interpret=False, backward=True)
     return flash.BlockSizes(block_q=forward.q, block_k_major=forward.kv, block_k=forward.kv, block_b=1,
                             block_q_major_dkv=backward.q, block_k_major_dkv=backward.kv, block_k_dkv=backward.kv,
                             block_q_dkv=backward.q, block_k_major_dq=backward.kv, block_k_dq=backward.kv,
@@ -191,7 +191,7 @@ def _grid_steps(program, shape, causal):
     if program.startswith("jax"):
         q = kv = 128 if "default" in program else None
         if q is None:
-            blocks = attention._default_blocks(None, interpret=False, backward=False)
+            blocks = attention._default_blocks(interpret=False, backward=False)
             q, kv = blocks.q, blocks.kv
     else:
         impl = next(o for o in OURS if o[0] == program)[2]

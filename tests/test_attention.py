@@ -93,7 +93,7 @@ def test_keys_follow_torch_pallas_seeds():
     torch.testing.assert_close(no_dropout, F.scaled_dot_product_attention(*tensors), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # float16: the kernels' tests
 def test_16_bit_inputs_are_close_to_float32(dtype):
     tensors = operands((2, 2, 24, 64), (2, 2, 40, 64), (2, 2, 40, 64))
     low = [t.detach().to(dtype).requires_grad_() for t in tensors]

@@ -176,7 +176,7 @@ def resolve_problem(query_shape, key_shape, value_shape, bias_shape=None, *, gqa
     return _Problem(tuple(batch), L, S, E, Ev, kv_layout, bias_layout, bias_rows)
 
 
-def _default_blocks(problem: _Problem, interpret: bool, backward: bool) -> AttentionBlocks:
+def _default_blocks(interpret: bool, backward: bool) -> AttentionBlocks:
     if interpret:
         # Few grid steps: each costs a fixed host overhead in interpret mode.
         return AttentionBlocks(512, 512)
@@ -199,7 +199,7 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
     """
     tile = attention_tile(problem.L, problem.S) if impl == prng.HARDWARE else None
     if blocks is None:
-        blocks = _default_blocks(problem, interpret, backward)
+        blocks = _default_blocks(interpret, backward)
         if tile is not None:
             blocks = AttentionBlocks(tiling.round_up(min(blocks.q, tiling.round_up(problem.L, tile[0])), tile[0]),
                                      tiling.round_up(min(blocks.kv, tiling.round_up(problem.S, tile[1])), tile[1]))
@@ -238,7 +238,7 @@ class _Static:
 
 def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
     """The (q, kv) block of scaled scores, float32, ``-inf`` where masked out (causal, padded
-    keys, the bias's ``-inf``), and its column validity."""
+    keys, the bias's ``-inf``)."""
     problem, blocks = static.problem, static.blocks
     s = lax.dot_general(q, k, _TRANSPOSE_RHS, preferred_element_type=jnp.float32) * np.float32(static.scale)
     if bias_ref is not None:
@@ -530,7 +530,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     return out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)
 
 
-def _probabilities(static: _Static, s, lse):
+def _probabilities(s, lse):
     # lse is inf for rows that attend to nothing (and padded rows): their weights are 0.
     return jnp.exp(s - lse)
 
@@ -549,7 +549,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
     def _():
         q, grad_out = q_ref[...], grad_out_ref[...]
         s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
-        p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
+        p = _probabilities(s, _lanes(lse_ref[...], static.blocks.kv))
         v = v_ref[...]
         # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
         # factor is in it, so a dropped weight is a select.
@@ -585,7 +585,7 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
     def _():
         k = k_ref[...]
         s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
-        p = _probabilities(static, s, _lanes(lse_ref[...], static.blocks.kv))
+        p = _probabilities(s, _lanes(lse_ref[...], static.blocks.kv))
         grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         if static.dropout_p:
             grad_p = jnp.where(_kept(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
