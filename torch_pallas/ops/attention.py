@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from torch_pallas import bridge, sharding as sharding_
 from torch_pallas.ops import _autograd
@@ -157,19 +156,8 @@ def _backward(ctx, grad_out, grad_lse):
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _Attention(torch.autograd.Function):
-    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
-
-    forward = staticmethod(attention)
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(once_differentiable(_backward))  # no kernel for a second derivative
-    generate_vmap_rule = True
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(
-            "torch_pallas.scaled_dot_product_attention has no forward-mode AD (torch.func.jvp, jacfwd, "
-            "torch.autograd.forward_ad); use reverse mode: torch.func.grad, vjp or jacrev")
+_Attention = _autograd.reverse_mode_function("torch_pallas.scaled_dot_product_attention", attention,
+                                            _setup_context, _backward)
 
 
 def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],

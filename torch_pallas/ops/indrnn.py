@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from torch_pallas import bridge, sharding as sharding_
 from torch_pallas.ops import _autograd
@@ -91,19 +90,7 @@ def _backward(ctx, grad_output, grad_h_n):
 indrnn.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _IndRNN(torch.autograd.Function):
-    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
-
-    forward = staticmethod(indrnn)
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(once_differentiable(_backward))  # no kernel for a second derivative
-    generate_vmap_rule = True  # torch's per-sample loop over the op
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(
-            "torch_pallas.indrnn has no forward-mode AD (torch.func.jvp, jacfwd, "
-            "torch.autograd.forward_ad); use reverse mode: torch.func.grad, vjp or jacrev")
+_IndRNN = _autograd.reverse_mode_function("torch_pallas.indrnn", indrnn, _setup_context, _backward)
 
 
 def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
