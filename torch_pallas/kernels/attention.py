@@ -376,22 +376,31 @@ def _padded(array, axis, length):
     return jnp.pad(array, padding)
 
 
-def _flatten(array, batch):
+def _flatten(array):
     """``array`` (*batch', rows, cols) as (prod(batch'), rows, cols)."""
-    return array.reshape(-1, *array.shape[-2:]) if array.ndim >= 2 else array.reshape(1, 1, -1)
+    return array.reshape(-1, *array.shape[-2:])
 
 
-def _prepare_bias(bias, problem: _Problem, S_padded: int, dtype):
-    """The bias as (batch', rows, S_padded): a boolean mask as 0 / -inf, the key dim broadcast
-    and padded (padded keys are masked in the kernel anyway)."""
-    if bias is None:
-        return None
-    if bias.dtype == jnp.bool_:
-        bias = jnp.where(bias, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))
-    bias = bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)
-    if bias.shape[-1] != problem.S:
-        bias = jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))
-    return _padded(_flatten(bias, None), 2, S_padded)
+def _kernel_operands(query, key, value, bias, problem: _Problem, L_padded: int, S_padded: int):
+    """query (broadcast to the output's batch), key, value and the bias as the kernels read
+    them: flat batch, lengths padded to whole blocks; the bias with a boolean mask as 0 /
+    -inf in query's dtype, its key dim broadcast (padded keys are masked in the kernels)."""
+    q = _padded(_flatten(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E))), 1, L_padded)
+    k, v = (_padded(_flatten(operand), 1, S_padded) for operand in (key, value))
+    if bias is not None:
+        if bias.dtype == jnp.bool_:
+            bias = jnp.where(bias, jnp.zeros((), query.dtype), jnp.full((), -jnp.inf, query.dtype))
+        bias = bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)
+        bias = _padded(_flatten(jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))), 2, S_padded)
+        if problem.bias_rows != 1:
+            bias = _padded(bias, 1, L_padded)
+    return q, k, v, bias
+
+
+def _widened(*arrays):
+    """:func:`tiling.widen_float16` of the float operands; a boolean mask as it is."""
+    return tuple(array if array is None or array.dtype == jnp.bool_ else tiling.widen_float16(array)[0]
+                 for array in arrays)
 
 
 def _compiler_params():
@@ -492,23 +501,15 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
     scale = 1.0 / math.sqrt(problem.E) if scale is None else scale
     if query.dtype == jnp.float16:
-        out, lse = attention_forward(key_data, *tiling.widen_float16(query, key, value), bias=None if bias is None
-                                     else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32)),
-                                     dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa,
-                                     interpret=interpret, blocks=blocks, global_shape=global_shape,
-                                     shard_offset=shard_offset)
+        out, lse = attention_forward(key_data, *_widened(query, key, value, bias), dropout_p=dropout_p, impl=impl,
+                                     causal=causal, scale=scale, gqa=gqa, interpret=interpret, blocks=blocks,
+                                     global_shape=global_shape, shard_offset=shard_offset)
         return out.astype(query.dtype), lse
     static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
-    q = _padded(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E)).reshape(
-        problem.size, problem.L, problem.E), 1, L_padded)
-    k = _padded(_flatten(key, None), 1, S_padded)
-    v = _padded(_flatten(value, None), 1, S_padded)
-    bias = _prepare_bias(bias, problem, S_padded, query.dtype)
-    if bias is not None and problem.bias_rows != 1:
-        bias = _padded(bias, 1, L_padded)
+    q, k, v, bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
     specs, _, _ = _specs(static, bias is not None, kv_major=False)
     grid = (problem.size, L_padded // blocks.q, S_padded // blocks.kv)
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
@@ -604,19 +605,17 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
         grad_q_ref[...] = (grad_q_acc[...] * np.float32(static.scale)).astype(grad_q_ref.dtype)
 
 
-def _sum_to(grad, problem: _Problem, operand_batch):
-    """A per-output-batch gradient (*batch, rows, cols) summed to an operand's batch dims
-    (broadcast dims, GQA groups)."""
-    operand_batch = tuple(operand_batch)
-    if operand_batch == problem.batch:
-        return grad
-    rank = len(problem.batch)
-    padded = (1,) * (rank - len(operand_batch)) + operand_batch
-    shape = []
-    for size, own in zip(problem.batch, padded):
-        shape.extend((own, size // own) if own != 1 else (1, size))
-    grad = grad.reshape(*shape, *grad.shape[-2:]).sum(axis=tuple(range(1, 2 * rank, 2)))
-    return grad.reshape(*operand_batch, *grad.shape[-2:])
+def _sum_to(grad, shape):
+    """A gradient computed per element of the broadcast output summed to an operand's
+    ``shape``: over the leading dims it lacks, its dims of size 1, and a dim repeated in
+    groups (GQA's heads: ``repeat_interleave``, so each of its ``n`` entries owns
+    ``size // n`` consecutive ones)."""
+    shape = tuple(shape)
+    padded = (1,) * (grad.ndim - len(shape)) + shape
+    if padded == grad.shape:
+        return grad.reshape(shape)
+    grouped = [part for size, own in zip(grad.shape, padded) for part in (own, size // own)]
+    return grad.reshape(grouped).sum(axis=tuple(range(1, 2 * grad.ndim, 2))).reshape(shape)
 
 
 def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p: float = 0.0,
@@ -637,9 +636,10 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     options = dict(dropout_p=dropout_p, impl=impl, causal=causal, scale=scale, gqa=gqa, interpret=interpret,
                    blocks=blocks, bias_grad=bias_grad, global_shape=global_shape, shard_offset=shard_offset)
     if query.dtype == jnp.float16:
-        wide_bias = None if bias is None else (bias if bias.dtype == jnp.bool_ else bias.astype(jnp.float32))
-        grads = attention_backward(key_data, *tiling.widen_float16(query, key, value, out), lse,
-                                   *tiling.widen_float16(grad_out), wide_bias, **options)
+        wide_query, wide_key, wide_value, wide_out, wide_grad_out, wide_bias = _widened(
+            query, key, value, out, grad_out, bias)
+        grads = attention_backward(key_data, wide_query, wide_key, wide_value, wide_out, lse, wide_grad_out, wide_bias,
+                                   **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
     static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)
@@ -650,8 +650,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     def per_row(array):
         return _padded(array.reshape(*rows, -1), 1, L_padded)
 
-    full = (*problem.batch, problem.L)
-    q = per_row(jnp.broadcast_to(query, (*full, problem.E)))
+    q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
     grad_out = per_row(grad_out).astype(jnp.float32)
     delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1, keepdims=True)
     # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).
@@ -659,13 +658,9 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     lse_rows = jnp.pad(lse.reshape(rows), ((0, 0), (0, L_padded - problem.L)), constant_values=jnp.inf)
     lse_rows = jnp.broadcast_to(lse_rows[..., None], (*lse_rows.shape, ROW_STAT_LANES))
     delta = jnp.broadcast_to(delta, (problem.size, L_padded, ROW_STAT_LANES))
-    k = _padded(_flatten(key, None), 1, S_padded)
-    v = _padded(_flatten(value, None), 1, S_padded)
-    prepared_bias = _prepare_bias(bias, problem, S_padded, query.dtype)
-    if prepared_bias is not None and problem.bias_rows != 1:
-        prepared_bias = _padded(prepared_bias, 1, L_padded)
     has_bias = prepared_bias is not None
-    operands = [_noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []), grad_out, lse_rows, delta]
+    operands = [_noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []),
+                grad_out, lse_rows, delta]
     num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
 
     specs, ordered, q_block = _specs(static, has_bias, kv_major=True)
@@ -703,26 +698,14 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         interpret=interpret,
     )(*operands)
 
-    kv_batch = key.shape[:-2]
-    grad_q = _sum_to(grads[0][:, :problem.L].reshape(*full, problem.E), problem, query.shape[:-2])
-    grad_k = _sum_to(grad_k[:, :problem.S].reshape(*problem.batch, problem.S, problem.E),
-                     problem, kv_batch).astype(key.dtype)
-    grad_v = _sum_to(grad_v[:, :problem.S].reshape(*problem.batch, problem.S, problem.Ev),
-                     problem, kv_batch).astype(value.dtype)
-    result = (grad_q.astype(query.dtype), grad_k, grad_v)
+    grad_q = _sum_to(grads[0][:, :problem.L].reshape(*problem.batch, problem.L, problem.E), query.shape)
+    grad_k = _sum_to(grad_k[:, :problem.S].reshape(*problem.batch, problem.S, problem.E), key.shape)
+    grad_v = _sum_to(grad_v[:, :problem.S].reshape(*problem.batch, problem.S, problem.Ev), value.shape)
+    result = (grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype))
     if bias_grad:
         grad_bias = grads[1][:, :problem.L, :problem.S].reshape(*problem.batch, problem.L, problem.S)
-        result += (_sum_bias(grad_bias, bias.shape).astype(bias.dtype),)
+        result += (_sum_to(grad_bias, bias.shape).astype(bias.dtype),)
     return result
-
-
-def _sum_bias(grad, bias_shape):
-    """The weights' gradient (*batch, L, S) summed to a broadcast bias's shape."""
-    rank = grad.ndim
-    padded = (1,) * (rank - len(bias_shape)) + tuple(bias_shape)
-    axes = tuple(d for d, (size, own) in enumerate(zip(grad.shape, padded)) if own == 1 and size != 1)
-    axes += tuple(range(rank - len(bias_shape)))
-    return grad.sum(axis=tuple(sorted(set(axes))), keepdims=True).reshape(bias_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
