@@ -26,10 +26,10 @@ def _mask_operand(attn_mask):
 
 
 def shard_dims(sharding: sharding_.Sharding, query, key, value, attn_mask, mask_grad: bool = False):
-    """How each operand follows ``sharding``, query's, for a run per shard: (query's dims,
-    key's and value's, the mask's or ``None``), as :func:`sharding_.call` takes them. Query's
-    batch dims may be split (key and value split with them: GQA heads too); its length and
-    head dims may not.
+    """How the operands follow ``sharding``, query's, for a run per shard: (the dims of query's
+    batch, which query, key, value and the outputs follow; the mask's dims or ``None``), as
+    :func:`sharding_.call` takes them. Query's batch dims may be split (key and value split
+    with them: GQA heads too); its length and head dims may not.
 
     Raises:
         ValueError: a split length or head dim, key or value broadcast along a split dim
@@ -57,20 +57,27 @@ def shard_dims(sharding: sharding_.Sharding, query, key, value, attn_mask, mask_
         if mask_grad and any(tiles[d + lead] > 1 and mask[d] is None for d in range(attn_mask.dim() - 2)):
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} requires a gradient and is broadcast "
                              f"along a dim that query's sharding {sharding.text} splits")
-    query_dims = (*batch_dims, None, None)
-    return query_dims, query_dims, mask
+    return batch_dims, mask
 
 
-def _sharded_call(kernel, sharding_text, query, key, value, attn_mask, extra, extra_dims, out_dims, **static):
-    """``kernel(key_data, query, key, value, *extra, attn_mask)`` per shard of query's sharding,
-    each shard with the noise of its batch dims' place; ``out_dims(query's, key's, mask's
-    dims)`` says how the outputs are split."""
-    sharding = sharding_.Sharding.parse(sharding_text)
-    query_dims, kv_dims, mask_dims = shard_dims(sharding, query, key, value, attn_mask)
-    tensors = [static.pop("key_data"), query, key, value, *extra, *_mask_operand(attn_mask)]
-    in_dims = [(None,), query_dims, kv_dims, kv_dims, *extra_dims, *(() if attn_mask is None else (mask_dims,))]
-    return sharding_.call(kernel, sharding_text, tensors, in_dims, out_dims(query_dims, kv_dims, mask_dims),
-                          noise_shape=(*query.shape[:-2], 1, 1), **static)
+def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, output_ranks, **static):
+    """``kernel(key_data, query, key, value, *extra, attn_mask, **static)`` on the whole tensors,
+    or with ``sharding_text`` per shard of query's sharding, each shard with the noise of its
+    batch dims' place: every tensor but the key data and the mask follows query's batch dims,
+    and so do the outputs (of ``output_ranks`` dims), then the mask's gradient (``bias_grad``)."""
+    tensors = [key_data, query, key, value, *extra, *_mask_operand(attn_mask)]
+    if sharding_text is None:
+        return bridge.call(kernel, *tensors, **static)
+    batch_dims, mask_dims = shard_dims(sharding_.Sharding.parse(sharding_text), query, key, value, attn_mask)
+
+    def following(rank):
+        return (*batch_dims, *(None,) * (rank - len(batch_dims)))
+
+    in_dims = [(None,), *(following(tensor.dim()) for tensor in (query, key, value, *extra)),
+               *(() if attn_mask is None else (mask_dims,))]
+    out_dims = [following(rank) for rank in output_ranks] + ([mask_dims] if static.get("bias_grad") else [])
+    return sharding_.call(kernel, sharding_text, tensors, in_dims, out_dims, noise_shape=(*query.shape[:-2], 1, 1),
+                          **static)
 
 
 @torch.library.custom_op("torch_pallas::attention", mutates_args=())
@@ -84,13 +91,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     backward kernels, or ``None`` for the default; the mask depends on neither.
     ``sharding``: torch_xla's text for query's SPMD sharding over batch dims; each device
     runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
-    if sharding is not None:
-        return _sharded_call(attention_kernels.attention_forward, sharding, query, key, value, attn_mask, (), (),
-                             lambda q, kv, mask: [q, q[:-1]], key_data=key_data, dropout_p=dropout_p, impl=impl,
-                             causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks))
-    return bridge.call(attention_kernels.attention_forward, key_data, query, key, value, *_mask_operand(attn_mask),
-                       dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale, gqa=enable_gqa,
-                       blocks=_blocks(blocks))
+    return _call(attention_kernels.attention_forward, sharding, key_data, query, key, value, (), attn_mask,
+                 (query.dim(), query.dim() - 1), dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
+                 gqa=enable_gqa, blocks=_blocks(blocks))
 
 
 def output_shapes(query, key, value, attn_mask, enable_gqa):
@@ -114,18 +117,9 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
                        sharding: Optional[str] = None) -> list[torch.Tensor]:
     """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
     float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
-    if sharding is not None:
-        return list(_sharded_call(
-            attention_kernels.attention_backward, sharding, query, key, value, attn_mask, (out, lse, grad_out),
-            (tuple(range(out.dim() - 2)) + (None, None), tuple(range(lse.dim() - 1)) + (None,),
-             tuple(range(out.dim() - 2)) + (None, None)),
-            lambda q, kv, mask: [q, kv, kv] + ([mask] if mask_grad else []), key_data=key_data,
-            dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks),
-            bias_grad=mask_grad))
-    return list(bridge.call(attention_kernels.attention_backward, key_data, query, key, value, out, lse, grad_out,
-                            *_mask_operand(attn_mask), dropout_p=dropout_p, impl=impl,
-                            causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks),
-                            bias_grad=mask_grad))
+    return list(_call(attention_kernels.attention_backward, sharding, key_data, query, key, value,
+                      (out, lse, grad_out), attn_mask, (query.dim(),) * 3, dropout_p=dropout_p, impl=impl,
+                      causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks), bias_grad=mask_grad))
 
 
 @attention_backward.register_fake
@@ -136,7 +130,8 @@ def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, imp
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _, backward_blocks = inputs[:12]
+    (query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _,
+     backward_blocks) = inputs[:12]
     out, lse = output
     ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
     ctx.sharding = inputs[-1]
