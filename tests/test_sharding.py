@@ -40,14 +40,13 @@ def test_permute_moves_tiles_and_devices():
 
 
 def test_hardware_noise_follows_shards_of_whole_tile_bands_only():
-    from torch_pallas import sharding
     rows, columns = Sharding.parse("{devices=[4,1]0,1,2,3}"), Sharding.parse("{devices=[1,4]0,1,2,3}")
-    sharding.check(rows, (512, 1024), "x", "hardware")  # 128 rows: two bands of (64, 1024) seed tiles each
-    sharding.check(columns, (512, 1024), "x", "threefry")
+    rows.check((512, 1024), "x", "hardware")  # 128 rows: two bands of (64, 1024) seed tiles each
+    columns.check((512, 1024), "x", "threefry")
     with pytest.raises(ValueError, match="65536-element bands"):
-        sharding.check(columns, (512, 1024), "x", "hardware")
+        columns.check((512, 1024), "x", "hardware")
     with pytest.raises(ValueError, match="65536-element bands"):
-        sharding.check(rows, (128, 1024), "x", "hardware")  # 32 rows: half a band
+        rows.check((128, 1024), "x", "hardware")  # 32 rows: half a band
 
 
 def test_uneven_shards_are_refused_with_the_dim():

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from torch_pallas import bridge
+from torch_pallas import bridge, seeds
 from torch_pallas.kernels import prng
 from torch_pallas.kernels.arguments import check_probability  # noqa: F401  (re-exported)
 
@@ -42,11 +42,26 @@ def check_float_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def check_tensor(tensor, name: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def noise_arguments(p, impl, seed, generator, p_name: str = "p") -> tuple[float, str]:
+    """The checked ``p`` and resolved ``impl`` of a noise function's call, after checking where
+    its key would come from (``seed``, ``generator``: :func:`torch_pallas.seeds.check_source`),
+    whether or not one is drawn."""
+    p = check_probability(p, p_name)
+    impl = resolve_impl(impl)
+    seeds.check_source(seed, generator)
+    return p, impl
+
+
 def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     """A tensor of one of ``dtypes`` on a device torch_pallas runs on (an XLA device or the
     CPU), or TypeError/ValueError naming ``name``."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_tensor(tensor, name)
     if tensor.dtype not in dtypes:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes[:-1])
         raise TypeError(f"{name} must be {names} or {str(dtypes[-1]).removeprefix('torch.')}, got {tensor.dtype}")

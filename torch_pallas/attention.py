@@ -94,20 +94,17 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot be combined (as in torch): put the causal "
                              "mask into attn_mask")
-    dropout_p = _checks.check_probability(dropout_p, "dropout_p")
+    dropout_p, impl = _checks.noise_arguments(dropout_p, impl, seed, generator, p_name="dropout_p")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    impl = _checks.resolve_impl(impl)
     try:
         out_shape, _ = attention_op.output_shapes(query, key, value, attn_mask, bool(enable_gqa))
     except ValueError as error:
         raise ValueError(f"scaled_dot_product_attention: {error}") from None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if dropout_p > 0:
-        key_data = seeds.key_data(seed=seed, generator=generator, device=query.device)
-    else:
-        seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
-        key_data = seeds.key_data_from_seed(0, query.device)
+    # Without dropout no key is drawn: the kernels take one, which they then do not read.
+    key_data = (seeds.draw(seed, generator, query.device) if dropout_p > 0
+                else seeds.key_data_from_seed(0, query.device))
     if math.prod(out_shape) == 0 or key.shape[-2] == 0:
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)

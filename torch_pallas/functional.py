@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from torch_pallas import _checks, seeds, sharding
@@ -82,56 +80,27 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         >>> y = torch_pallas.dropout(x, p=0.1, seed=0)
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
-    if mesh is None and partition_spec is None:
-        layout = functools.partial(sharding.resolve_noise, x, "x")
-    else:
-        layout = functools.partial(sharding.requested, mesh, partition_spec, x.shape, "x")
-    return _sharded_dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, layout)
+    _checks.check_tensor(x, "x")
+    return _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim,
+                    sharding.resolve(x, mesh, partition_spec))
 
 
-def _sharded_dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, layout):
-    """:func:`dropout` with the sharding given by ``layout(impl, shared_over_first_dim)`` (its
-    text or ``None``), checked before any kernel runs."""
-    def check_input(x):
-        if shared_over_first_dim and x.dim() == 0:
-            raise ValueError("shared_over_first_dim needs an input with at least one dimension")
-
-    def masked(key_data, p, impl):
-        return dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None,
-                                layout(impl, shared_over_first_dim))
-
-    return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
-
-
-def preset_layout(preset: sharding.Sharding | None, x: torch.Tensor):
-    """A ``layout`` for :func:`_sharded_dropout` from the sharding a module resolved when it was
-    built (torch_xla's mesh code cannot be traced), checked against ``x`` here, in plain
-    Python dynamo traces."""
-    def layout(impl, shared_over_first_dim):
-        if preset is None:
-            return None
-        sharding.check(preset, x.shape, "input", impl, shared_over_first_dim)
-        return preset.text
-    return layout
-
-
-def _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input) -> torch.Tensor:
-    """What every dropout shares: the checks, the identity, ``p == 1``, the key, ``inplace``.
-    ``masked(key_data, p, impl)`` returns the output for ``0 < p < 1``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    p = _checks.check_probability(p)
-    impl = _checks.resolve_impl(impl)
-    check_input(x)
+def _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, found) -> torch.Tensor:
+    """:func:`dropout` of a tensor ``x`` whose sharding is resolved (``found``: a
+    :class:`~torch_pallas.sharding.Sharding` or ``None``): the path of the function and of
+    the modules, which resolve theirs when they are built."""
+    p, impl = _checks.noise_arguments(p, impl, seed, generator)
+    if shared_over_first_dim and x.dim() == 0:
+        raise ValueError("shared_over_first_dim needs an input with at least one dimension")
     if not training or p == 0.0:
-        seeds.check_source(seed, generator)  # no key is drawn, but a bad source still raises
         return x  # the identity, as torch's, for any device and dtype
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
     if p == 1.0:
-        seeds.check_source(seed, generator)
         output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
     else:
-        output = masked(seeds.key_data(seed=seed, generator=generator, device=x.device), p, impl)
+        layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
+        output = dropout_op.apply(x, seeds.draw(seed, generator, x.device), p, impl, shared_over_first_dim, None,
+                                  None, layout)
     return x.copy_(output) if inplace else output
 
 
@@ -167,57 +136,57 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
 
         >>> hidden = torch_pallas.dropout_add(attention_output, hidden, p=0.1)
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(residual, torch.Tensor):
-        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    _checks.check_tensor(x, "x")
+    _checks.check_tensor(residual, "residual")
     if residual.dtype != x.dtype:
         raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(residual.shape)} on {residual.device}")
-    p = _checks.check_probability(p)
-    impl = _checks.resolve_impl(impl)
+    p, impl = _checks.noise_arguments(p, impl, seed, generator)
     if not training or p == 0.0:
-        seeds.check_source(seed, generator)
         return x + residual
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
     if p == 1.0:
-        seeds.check_source(seed, generator)
         return x * 0 + residual
-    key_data = seeds.key_data(seed=seed, generator=generator, device=x.device)
-    return dropout_op.apply_add(x, residual, key_data, p, impl, sharding.resolve_noise(x, "x", impl))
+    found = sharding.resolve(x)
+    layout = None if found is None else found.check(x.shape, "x", impl)
+    return dropout_op.apply_add(x, residual, seeds.draw(seed, generator, x.device), p, impl, layout)
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):
     """Channel dropout as torch's ``dropout1d/2d/3d``: one mask element per (sample, channel)
     for a batched input, per channel for an unbatched one (torch's rules for other ranks)."""
     name = f"dropout{spatial_dims}d"
-
-    def check_input(x):
-        if x.dim() < 2:
-            raise ValueError(f"{name} needs an input with a channel dimension (at least 2-D), got shape "
-                             f"{tuple(x.shape)}")
-        if name == "dropout1d" and x.dim() not in (2, 3):
-            raise ValueError(f"dropout1d expects a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
-        if x.dim() not in (spatial_dims + 1, spatial_dims + 2):
-            # torch warns (and goes on) in the same words
-            _checks.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
-                         f"in an error in a future release. To retain the behavior and silence this warning, "
-                         f"please use dropout instead.", stacklevel=5)
-        if name == "dropout2d" and x.dim() == 3:
-            _checks.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
-                         "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
-                         "dim. Use dropout1d to keep this behavior.", stacklevel=5)
-
-    def masked(key_data, p, impl):
-        # torch.nn.functional.dropout2d takes any 3-D input as batched (N, C, L).
-        leading = 2 if x.dim() == spatial_dims + 2 or name == "dropout2d" else 1
-        channels = x.shape[:leading]
-        scale = dropout_op.apply(x.new_ones(channels), key_data, p, impl, False)
-        return x * scale.reshape(*channels, *[1] * (x.dim() - leading))
-
-    return _dropout(x, p, training, inplace, seed, generator, impl, masked, check_input)
+    _checks.check_tensor(x, "x")
+    p, impl = _checks.noise_arguments(p, impl, seed, generator)
+    if x.dim() < 2:
+        raise ValueError(f"{name} needs an input with a channel dimension (at least 2-D), got shape "
+                         f"{tuple(x.shape)}")
+    if name == "dropout1d" and x.dim() not in (2, 3):
+        raise ValueError(f"dropout1d expects a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
+    if x.dim() not in (spatial_dims + 1, spatial_dims + 2):
+        # torch warns (and goes on) in the same words
+        _checks.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
+                     f"in an error in a future release. To retain the behavior and silence this warning, "
+                     f"please use dropout instead.", stacklevel=3)
+    if name == "dropout2d" and x.dim() == 3:
+        _checks.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
+                     "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
+                     "dim. Use dropout1d to keep this behavior.", stacklevel=3)
+    if not training or p == 0.0:
+        return x
+    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
+    # torch.nn.functional.dropout2d takes any 3-D input as batched (N, C, L).
+    leading = 2 if x.dim() == spatial_dims + 2 or name == "dropout2d" else 1
+    channels = x.shape[:leading]
+    if p == 1.0:
+        output = x * 0
+    else:
+        scale = dropout_op.apply(x.new_ones(channels), seeds.draw(seed, generator, x.device), p, impl, False, None,
+                                 None, None)
+        output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
+    return x.copy_(output) if inplace else output
 
 
 _FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probability ``p`` and scales the rest
@@ -321,24 +290,15 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         >>> output, h_n = torch_pallas.indrnn(x, w)
         >>> output.sum().backward()
     """
-    def time_major_sharding():
-        if mesh is None and partition_spec is None:
-            found = sharding.resolve(x)
-        else:
-            found = sharding.Sharding.parse(sharding.requested(mesh, partition_spec, x.shape, "x") or "")
-        if found is not None and batch_first:
-            found = found.permute((1, 0, 2))
-        return found
-
-    return _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_sharding)
-
-
-def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_sharding):
-    """:func:`indrnn` with the sharding of the time-major sequence given by
-    ``time_major_sharding()`` (a :class:`~torch_pallas.sharding.Sharding` or ``None``), called
-    after the arguments are checked."""
-    check_nonlinearity(nonlinearity)
     _checks.check_float_tensor(x, "x")
+    return _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, sharding.resolve(x, mesh, partition_spec))
+
+
+def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, found):
+    """:func:`indrnn` of a float tensor ``x`` whose sharding is resolved (``found``: a
+    :class:`~torch_pallas.sharding.Sharding` of ``x`` as given, or ``None``): the path of the
+    function and of the module, which resolves its own when it is built."""
+    check_nonlinearity(nonlinearity)
     _checks.check_float_tensor(weight, "weight")
     if x.dim() != 3:
         layout = "(B, T, F)" if batch_first else "(T, B, F)"
@@ -356,13 +316,14 @@ def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, time_major_shardi
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     if lengths is not None:
         lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
-    found = time_major_sharding()
+    layout = None
     if found is not None:
-        if found.tiles[0] > 1:
+        found.check(x.shape, "x")
+        time = 1 if batch_first else 0
+        if found.tiles[time] > 1:
             raise ValueError(
-                f"x is split along time into {found.tiles[0]} shards; IndRNN runs each sequence's steps in "
+                f"x is split along time into {found.tiles[time]} shards; IndRNN runs each sequence's steps in "
                 "order on one device: shard x over batch and/or features only")
-        sharding.check(found, time_major.shape, "x")
-    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity,
-                                  None if found is None else found.text)
+        layout = (found.permute((1, 0, 2)) if batch_first else found).text
+    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity, layout)
     return (output.transpose(0, 1) if batch_first else output), h_n

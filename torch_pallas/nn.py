@@ -10,8 +10,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from torch_pallas import _checks, sharding
-from torch_pallas.functional import (_indrnn, _sharded_dropout, dropout1d, dropout2d, dropout3d,
-                                     dropout as dropout_fn, preset_layout)
+from torch_pallas.functional import _dropout, _indrnn, dropout1d, dropout2d, dropout3d, dropout as dropout_fn
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
 
@@ -77,8 +76,8 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
             return super().forward(input)
-        return _sharded_dropout(input, self.p, self.training, self.inplace, None, None, self.impl, False,
-                                preset_layout(self._sharding, input))
+        _checks.check_tensor(input, "input")
+        return _dropout(input, self.p, self.training, self.inplace, None, None, self.impl, False, self._sharding)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", partition_spec={self.partition_spec!r}" if self.mesh is not None else "")
@@ -92,7 +91,7 @@ def _module_sharding(mesh, partition_spec, order=None):
         return None, None, None
     spec = None if partition_spec is None else tuple(partition_spec)
     kernel_spec = spec if order is None or spec is None else tuple(spec[d] for d in order)
-    return mesh, spec, sharding.preset(mesh, kernel_spec)
+    return mesh, spec, sharding.resolve(None, mesh, kernel_spec)
 
 
 _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
@@ -426,13 +425,12 @@ class IndRNN(torch.nn.Module):
                     projected = reverse_each(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
                 output, h_n = _indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0, self.nonlinearity, False,
-                                      lengths, lambda: self._sharding)
+                                      lengths, self._sharding)
                 directions.append(reverse_each(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
-                sequence = _sharded_dropout(sequence, self.dropout, True, False, None, None, None, True,
-                                            preset_layout(self._sharding, sequence))
+                sequence = _dropout(sequence, self.dropout, True, False, None, None, None, True, self._sharding)
 
         h_n = torch.stack(last_states)
         if packed:

@@ -66,10 +66,11 @@ def set_default_impl(impl: str | None) -> None:
 
 def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec):
     shape = _checks.check_shape(shape)
-    impl = _checks.resolve_impl(impl)
-    layout = sharding.requested(mesh, partition_spec, shape, "shape", impl)
-    key_data = seeds.key_data(seed=seed, generator=generator, device=device)
-    return sampling_op.sample(key_data, shape, distribution, dtype, p, impl, layout)
+    p, impl = _checks.noise_arguments(p, impl, seed, generator)
+    device = bridge.device_or_default(device)
+    found = sharding.resolve(None, mesh, partition_spec)
+    layout = None if found is None else found.check(shape, "shape", impl)
+    return sampling_op.sample(seeds.draw(seed, generator, device), shape, distribution, dtype, p, impl, layout)
 
 
 def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,
@@ -144,6 +145,5 @@ def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, and the errors of :func:`uniform`.
         TypeError: ``p`` not a real number, and the errors of :func:`uniform`.
     """
-    p = _checks.check_probability(p)
     return _sample("bernoulli", shape, p=p, seed=seed, generator=generator, device=device,
                    dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec)

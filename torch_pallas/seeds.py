@@ -134,6 +134,11 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
     """
     device = bridge.device_or_default(device)
     check_source(seed, generator)
+    return draw(seed, generator, device)
+
+
+def draw(seed, generator, device: torch.device) -> torch.Tensor:
+    """:func:`key_data` of a checked source (:func:`check_source`) on a checked device."""
     if seed is not None:
         return key_data_from_seed(seed, device)
     if generator is not None:

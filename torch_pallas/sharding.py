@@ -123,12 +123,30 @@ class Sharding:
         """
         if len(shape) != len(self.tiles):
             raise ValueError(f"{name} of shape {tuple(shape)} has {len(shape)} dims, but its sharding splits "
-                             f"{len(self.tiles)} dims ({self.text}): give a partition_spec of its rank")
+                             f"{len(self.tiles)} dims ({self.text}): give a partition_spec with one entry per dim")
         for dim, (size, tiles) in enumerate(zip(shape, self.tiles)):
             if size % tiles:
                 raise ValueError(f"{name} of shape {tuple(shape)} is split into {tiles} shards along dim {dim}, "
                                  f"which does not divide {size}; torch_pallas needs equal shards")
         return tuple(size // tiles for size, tiles in zip(shape, self.tiles))
+
+    def check(self, shape: Sequence[int], name: str, impl: Optional[str] = None,
+              shared_over_first_dim: bool = False) -> str:
+        """Returns :attr:`text` if a tensor of ``shape`` can be processed per shard: equal
+        shards (:meth:`shard_shape`), and for a noise kernel of ``impl`` (not ``None``) a
+        sharding it can follow (two split dims at most besides the first; for the hardware
+        PRNG, seeded per tile of the whole tensor's 2-D view, shards of whole tiles). Plain
+        Python on tuples, so dynamo traces it.
+
+        Raises:
+            ValueError: naming ``name`` and what the kernel cannot follow.
+        """
+        shard_shape = self.shard_shape(shape, name)
+        if impl == prng.HARDWARE:
+            elementwise.hardware_view(shard_shape, shape, shared_over_first_dim)
+        elif impl is not None:
+            elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
+        return self.text
 
     def shard_offsets(self, shape: Sequence[int], device: torch.device, shared_over_first_dim: bool = False):
         """int32 tensor of shape :attr:`mesh_shape` + (2,): at each device's place, the high
@@ -150,93 +168,32 @@ class Sharding:
         return words.to(torch.int32).reshape(*self.mesh_shape, 2)
 
 
-def check_kernel_can_follow(sharding: Sharding, shape: Sequence[int], name: str, impl: str,
-                            shared_over_first_dim: bool = False) -> None:
-    """Raises ValueError for a sharding a noise kernel cannot follow: uneven shards, more
-    than two split dims besides the first, and for the hardware PRNG (seeded per tile of the
-    whole tensor's 2-D view) shards that are not whole tiles of that view."""
-    shard_shape = sharding.shard_shape(shape, name)
-    if impl == prng.HARDWARE:
-        elementwise.hardware_view(shard_shape, shape, shared_over_first_dim)
-    else:
-        elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
+def resolve(tensor: Optional[torch.Tensor] = None, mesh=None, partition_spec=None) -> Optional[Sharding]:
+    """The sharding a call's kernel runs under: the one ``xs.mark_sharding(t, mesh,
+    partition_spec)`` gives ``t`` when they are given, else ``tensor``'s own (``None``: the
+    kernel runs on the whole tensor, outside SPMD mode and for a replicated tensor).
 
-
-def requested(mesh, partition_spec, shape: Sequence[int], name: str, impl: Optional[str] = None,
-              shared_over_first_dim: bool = False) -> Optional[str]:
-    """The text of the sharding ``(mesh, partition_spec)`` gives a tensor of ``shape``,
-    checked for a noise kernel of ``impl`` (``None``: not a noise kernel); ``None`` when
-    neither is given.
+    Read in eager mode only: under ``torch.compile`` dynamo traces fake tensors, which carry
+    no sharding, and cannot trace torch_xla's mesh code (a graph break here gave wrong values
+    when sharded results crossed from one graph to the next), so the kernel runs on the whole
+    tensor (right values; XLA partitions it; the README says what that means). Modules
+    resolve theirs when they are built, and run per shard compiled too.
 
     Raises:
         TypeError: a ``mesh`` that is not an ``xs.Mesh``, a ``partition_spec`` that is not a tuple.
-        ValueError: one without the other, SPMD mode off, a spec of another rank than
-            ``shape``, or a sharding the kernel cannot follow.
+        ValueError: one of ``mesh`` and ``partition_spec`` without the other, or SPMD mode off.
     """
     if mesh is None and partition_spec is None:
-        return None
+        if tensor is None or torch.compiler.is_compiling():
+            return None
+        return Sharding.of(tensor)
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace torch_xla's mesh code, and a graph break here gave wrong values
-        # when sharded results crossed from one graph to the next: the kernel runs on the
-        # whole tensor (right values; XLA partitions it). The modules resolve their sharding
-        # when built, and run per shard compiled too.
         return None
-    found = preset(mesh, partition_spec, shape, name, impl, shared_over_first_dim)
-    return None if found is None else found.text
-
-
-def preset(mesh, partition_spec, shape: Optional[Sequence[int]] = None, name: str = "the input",
-           impl: Optional[str] = None, shared_over_first_dim: bool = False) -> Optional[Sharding]:
-    """The sharding ``xs.mark_sharding(t, mesh, partition_spec)`` gives ``t``, checked for a
-    tensor of ``shape`` when given (see :func:`requested`); ``None`` for a replicated one.
-    Eager only: modules resolve it when they are built."""
     if mesh is None or partition_spec is None:
         raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
     if not xr.is_spmd():
         raise ValueError("mesh and partition_spec need SPMD mode: call torch_xla.runtime.use_spmd() first")
-    if shape is not None and isinstance(partition_spec, (tuple, list)) and len(partition_spec) != len(shape):
-        raise ValueError(f"partition_spec {tuple(partition_spec)} must have one entry per dim of shape "
-                         f"{tuple(shape)}")
-    sharding = Sharding.from_mesh(mesh, partition_spec)
-    if sharding is not None and shape is not None:
-        check(sharding, shape, name, impl, shared_over_first_dim)
-    return sharding
-
-
-def check(sharding: Sharding, shape: Sequence[int], name: str, impl: Optional[str] = None,
-          shared_over_first_dim: bool = False) -> None:
-    """Raises ValueError unless a tensor of ``shape`` can be processed per shard: equal shards,
-    and for a noise kernel of ``impl`` (not ``None``) one it can follow. Plain Python on
-    tuples, so dynamo traces it."""
-    if impl is None:
-        sharding.shard_shape(shape, name)
-    else:
-        check_kernel_can_follow(sharding, shape, name, impl, shared_over_first_dim)
-
-
-def resolve(tensor: torch.Tensor) -> Optional[Sharding]:
-    """``tensor``'s sharding when its kernel should run per shard, else ``None``.
-
-    Read from the tensor in eager mode only: under ``torch.compile`` dynamo traces fake
-    tensors, which carry no sharding, and the kernel runs on the whole tensor (the README
-    says what that means on CPU and on TPU).
-    """
-    if torch.compiler.is_compiling():
-        return None
-    return Sharding.of(tensor)
-
-
-def resolve_noise(tensor: torch.Tensor, name: str, impl: str, shared_over_first_dim: bool = False) -> Optional[str]:
-    """:func:`resolve` for a noise kernel over ``tensor``, as the op takes it (text).
-
-    Raises:
-        ValueError: a sharding the kernel cannot follow (see :func:`check_kernel_can_follow`).
-    """
-    sharding = resolve(tensor)
-    if sharding is None:
-        return None
-    check(sharding, tensor.shape, name, impl, shared_over_first_dim)
-    return sharding.text
+    return Sharding.from_mesh(mesh, partition_spec)
 
 
 # Every call of an op on a sharded tensor needs these; computed once per sharding (and one

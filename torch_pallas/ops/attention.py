@@ -80,11 +80,10 @@ def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, 
                           **static)
 
 
-@torch.library.custom_op("torch_pallas::attention", mutates_args=())
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-              key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
-              blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-              sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+               key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
+               blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
+               sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, float32 row log-sum-exp ``(*batch, L)``) of
     :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked, shapes not
     empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward and the
@@ -103,18 +102,20 @@ def output_shapes(query, key, value, attn_mask, enable_gqa):
     return (*problem.batch, problem.L, problem.Ev), (*problem.batch, problem.L)
 
 
+attention = torch.library.custom_op("torch_pallas::attention", _attention, mutates_args=())
+
+
 @attention.register_fake
 def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, *blocks):
     out_shape, lse_shape = output_shapes(query, key, value, attn_mask, enable_gqa)
     return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("torch_pallas::attention_backward", mutates_args=())
-def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                       key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
-                       enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
-                       sharding: Optional[str] = None) -> list[torch.Tensor]:
+def _attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                        key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
+                        enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
+                        sharding: Optional[str] = None) -> list[torch.Tensor]:
     """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
     float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
     return list(_call(attention_kernels.attention_backward, sharding, key_data, query, key, value,
@@ -122,7 +123,12 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
                       causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks), bias_grad=mask_grad))
 
 
-@attention_backward.register_fake
+attention_backward_op = torch.library.custom_op("torch_pallas::attention_backward", _attention_backward,
+                                               mutates_args=())
+attention_backward = _autograd.direct(attention_backward_op, _attention_backward)
+
+
+@attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, impl, is_causal, scale, enable_gqa,
       blocks, mask_grad, sharding=None):
     grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
@@ -148,11 +154,8 @@ def _backward(ctx, grad_out, grad_lse):
     return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None
 
 
-attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-_Attention = _autograd.reverse_mode_function("torch_pallas.scaled_dot_product_attention", attention,
-                                            _setup_context, _backward)
+_apply = _autograd.differentiable(attention, _attention, public_name="torch_pallas.scaled_dot_product_attention",
+                                  setup_context=_setup_context, backward=_backward)
 
 
 def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -168,6 +171,6 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         # every later output (a compiled GPT-2 returned its logits as the loss). An op per
         # call gives each layer's saved mask its own value.
         attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
-    out, _ = _autograd.call(_Attention, attention, query, key, value, attn_mask, key_data, dropout_p, impl,
-                            is_causal, scale, enable_gqa, blocks, backward_blocks, sharding)
+    out, _ = _apply(query, key, value, attn_mask, key_data, dropout_p, impl,
+                    is_causal, scale, enable_gqa, blocks, backward_blocks, sharding)
     return out

@@ -16,10 +16,9 @@ from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks
 
 
-@torch.library.custom_op("torch_pallas::dropout", mutates_args=())
-def dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
-            blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-            sharding: Optional[str] = None) -> torch.Tensor:
+def _dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
+             blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
+             sharding: Optional[str] = None) -> torch.Tensor:
     """``where(bernoulli(key, 1 - p), x / (1 - p), x * 0)``; arguments pre-checked.
 
     ``shared_over_first_dim`` draws one mask of shape ``x.shape[1:]`` for every index of
@@ -33,8 +32,8 @@ def dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared
         return torch.empty_like(x)
     if x.dtype == torch.float64:
         # Mosaic has no float64: the kernel draws the mask a float32 tensor gets from this key.
-        keep = dropout(torch.ones(x.shape, device=x.device), key_data, p, impl, shared_over_first_dim, blocks,
-                       backward_blocks, sharding) != 0
+        keep = _dropout(torch.ones(x.shape, device=x.device), key_data, p, impl, shared_over_first_dim, blocks,
+                        backward_blocks, sharding) != 0
         return torch.where(keep, x / (1 - p), x * 0)
     options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
                    shared_over_first_dim=shared_over_first_dim)
@@ -43,6 +42,9 @@ def dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared
         return sharding_.call(dropout_kernels.dropout, sharding, [key_data, x], [(None,), dims], [dims],
                               noise_shape=x.shape, **options)
     return bridge.call(dropout_kernels.dropout, key_data, x, **options)
+
+
+dropout = torch.library.custom_op("torch_pallas::dropout", _dropout, mutates_args=())
 
 
 @dropout.register_fake
@@ -58,11 +60,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = dropout(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding)
+    grad_x = apply(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding)
     return grad_x, None, None, None, None, None, None, None
 
 
-dropout.register_autograd(_backward, setup_context=_setup_context)
+def _jvp(ctx, grad_x, *_):
+    # Dropout is linear in x: the tangent goes through the same mask.
+    (key_data,) = ctx.saved_tensors
+    return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding)
 
 
 def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
@@ -87,44 +92,29 @@ def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim,
 dropout.register_vmap(_batched_dropout)
 
 
-class _Dropout(torch.autograd.Function):
-    """The op with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
-
-    forward = staticmethod(dropout)
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward)
-    generate_vmap_rule = True  # vmaps the op, whose batching rule is above
-
-    @staticmethod
-    def jvp(ctx, grad_x, *_):
-        # Dropout is linear in x: the tangent goes through the same mask.
-        (key_data,) = ctx.saved_tensors
-        return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding)
+apply = _autograd.differentiable(dropout, _dropout, public_name="torch_pallas.dropout", setup_context=_setup_context,
+                                 backward=_backward, jvp=_jvp)
+apply.__doc__ = """:func:`dropout`, differentiable under autograd, ``torch.func`` (grad, vjp, jvp,
+vmap) and ``torch.compile``: ``apply(x, key_data, p, impl, shared_over_first_dim, blocks,
+backward_blocks, sharding)``, every argument given."""
 
 
-def apply(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool = False,
-          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
-          sharding: Optional[str] = None) -> torch.Tensor:
-    """:func:`dropout`, differentiable under autograd, ``torch.func`` (grad, vjp, jvp,
-    vmap) and ``torch.compile``."""
-    return _autograd.call(_Dropout, dropout, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
-                          sharding)
-
-
-@torch.library.custom_op("torch_pallas::dropout_add", mutates_args=())
-def dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
-                sharding: Optional[str] = None) -> torch.Tensor:
+def _dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+                 sharding: Optional[str] = None) -> torch.Tensor:
     """``residual + dropout(x, key_data, p, impl)`` in one kernel (x and residual of one shape
     and dtype; pre-checked). Its backward is :func:`dropout` on the gradient."""
     if x.numel() == 0:
         return torch.empty_like(x)
     if x.dtype == torch.float64:
-        return residual + dropout(x, key_data, p, impl, False, None, None, sharding)
+        return residual + _dropout(x, key_data, p, impl, False, None, None, sharding)
     if sharding is not None:
         dims = tuple(range(x.dim()))
         return sharding_.call(dropout_kernels.dropout_add, sharding, [key_data, x, residual], [(None,), dims, dims],
                               [dims], noise_shape=x.shape, p=p, impl=impl)
     return bridge.call(dropout_kernels.dropout_add, key_data, x, residual, p=p, impl=impl)
+
+
+dropout_add = torch.library.custom_op("torch_pallas::dropout_add", _dropout_add, mutates_args=())
 
 
 @dropout_add.register_fake
@@ -140,11 +130,8 @@ def _add_setup_context(ctx, inputs, output):
 
 def _add_backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = dropout(grad_output, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
+    grad_x = apply(grad_output, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
     return grad_x, grad_output, None, None, None, None
-
-
-dropout_add.register_autograd(_add_backward, setup_context=_add_setup_context)
 
 
 @dropout_add.register_vmap
@@ -155,25 +142,15 @@ def _(info, in_dims, x, residual, key_data, p, impl, sharding=None):
     return dropped + residual, 0
 
 
-class _DropoutAdd(torch.autograd.Function):
-    """:func:`dropout_add` with autograd in the form ``torch.func`` needs (see :mod:`._autograd`)."""
-
-    forward = staticmethod(dropout_add)
-    setup_context = staticmethod(_add_setup_context)
-    backward = staticmethod(_add_backward)
-    generate_vmap_rule = True
-
-    @staticmethod
-    def jvp(ctx, grad_x, grad_residual, *_):
-        (key_data,) = ctx.saved_tensors
-        tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None,
-                                                      ctx.sharding)
-        if grad_residual is None:
-            return tangent
-        return grad_residual if tangent is None else tangent + grad_residual
+def _add_jvp(ctx, grad_x, grad_residual, *_):
+    (key_data,) = ctx.saved_tensors
+    tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
+    if grad_residual is None:
+        return tangent
+    return grad_residual if tangent is None else tangent + grad_residual
 
 
-def apply_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
-              sharding: Optional[str] = None) -> torch.Tensor:
-    """:func:`dropout_add`, differentiable under autograd, ``torch.func`` and ``torch.compile``."""
-    return _autograd.call(_DropoutAdd, dropout_add, x, residual, key_data, p, impl, sharding)
+apply_add = _autograd.differentiable(dropout_add, _dropout_add, public_name="torch_pallas.dropout_add",
+                                     setup_context=_add_setup_context, backward=_add_backward, jvp=_add_jvp)
+apply_add.__doc__ = """:func:`dropout_add`, differentiable under autograd, ``torch.func`` and
+``torch.compile``: ``apply_add(x, residual, key_data, p, impl, sharding)``."""

@@ -16,9 +16,8 @@ from torch_pallas.ops import _autograd
 from torch_pallas.kernels import indrnn as indrnn_kernels
 
 
-@torch.library.custom_op("torch_pallas::indrnn", mutates_args=())
-def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
-           nonlinearity: str, sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
+            nonlinearity: str, sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h_t = act(x_t + weight * h_{t-1})`` over ``x`` (T, B, F); returns (output, h_n).
     Row b runs ``t < lengths[b]`` (int32 (B,)) when given. ``sharding``: torch_xla's text for
     x's SPMD sharding over batch and/or features; each device runs its shard. Pre-checked."""
@@ -32,6 +31,9 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Opt
     return output, h_n
 
 
+indrnn = torch.library.custom_op("torch_pallas::indrnn", _indrnn, mutates_args=())
+
+
 # How each operand follows the (time, batch, features) sharding of the sequence.
 _SEQUENCE, _STATE, _FEATURES, _BATCH = (0, 1, 2), (1, 2), (2,), (1,)
 
@@ -41,11 +43,10 @@ def _(x, weight, h0, *options):
     return torch.empty_like(x), x.new_empty(h0.shape)
 
 
-@torch.library.custom_op("torch_pallas::indrnn_backward", mutates_args=())
-def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: torch.Tensor, weight: torch.Tensor,
-                    h0: torch.Tensor, lengths: Optional[torch.Tensor],
-                    nonlinearity: str, sharding: Optional[str] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: torch.Tensor, weight: torch.Tensor,
+                     h0: torch.Tensor, lengths: Optional[torch.Tensor],
+                     nonlinearity: str, sharding: Optional[str] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (x, weight, h0) of :func:`indrnn` from its saved outputs."""
     if output.numel() == 0:
         return torch.zeros_like(output), torch.zeros_like(weight), grad_h_n.to(h0.dtype, copy=True)
@@ -65,7 +66,11 @@ def indrnn_backward(grad_output: torch.Tensor, grad_h_n: torch.Tensor, output: t
     return grad_x, grad_weight, grad_h0
 
 
-@indrnn_backward.register_fake
+indrnn_backward_op = torch.library.custom_op("torch_pallas::indrnn_backward", _indrnn_backward, mutates_args=())
+indrnn_backward = _autograd.direct(indrnn_backward_op, _indrnn_backward)
+
+
+@indrnn_backward_op.register_fake
 def _(grad_output, grad_h_n, output, weight, h0, *options):
     return torch.empty_like(output), torch.empty_like(weight), torch.empty_like(h0)
 
@@ -87,14 +92,7 @@ def _backward(ctx, grad_output, grad_h_n):
     return grad_x, grad_weight, grad_h0, None, None, None
 
 
-indrnn.register_autograd(_backward, setup_context=_setup_context)
-
-
-_IndRNN = _autograd.reverse_mode_function("torch_pallas.indrnn", indrnn, _setup_context, _backward)
-
-
-def apply(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor, lengths: Optional[torch.Tensor],
-          nonlinearity: str, sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`indrnn`, differentiable under autograd, ``torch.func``'s reverse-mode
-    transforms and ``torch.compile``."""
-    return _autograd.call(_IndRNN, indrnn, x, weight, h0, lengths, nonlinearity, sharding)
+apply = _autograd.differentiable(indrnn, _indrnn, public_name="torch_pallas.indrnn", setup_context=_setup_context,
+                                 backward=_backward)
+apply.__doc__ = """:func:`indrnn`, differentiable under autograd, ``torch.func``'s reverse-mode
+transforms and ``torch.compile``: ``apply(x, weight, h0, lengths, nonlinearity, sharding)``."""

@@ -8,6 +8,7 @@ import torch
 
 from torch_pallas import bridge, sharding as sharding_
 from torch_pallas._checks import jax_dtype_name
+from torch_pallas.ops import _autograd
 from torch_pallas.kernels import sampling as sampling_kernels
 
 
@@ -15,9 +16,8 @@ def _output_dtype(distribution: str, dtype: torch.dtype) -> torch.dtype:
     return torch.bool if distribution == "bernoulli" else dtype
 
 
-@torch.library.custom_op("torch_pallas::sample", mutates_args=())
-def sample(key_data: torch.Tensor, shape: Sequence[int], distribution: str, dtype: torch.dtype,
-           p: float, impl: str, sharding: Optional[str] = None) -> torch.Tensor:
+def _sample(key_data: torch.Tensor, shape: Sequence[int], distribution: str, dtype: torch.dtype,
+            p: float, impl: str, sharding: Optional[str] = None) -> torch.Tensor:
     """Samples ``shape`` from ``distribution`` on key_data's XLA device; arguments pre-checked.
     With ``sharding`` (torch_xla's text for an SPMD sharding), the output is sharded so and
     each device draws its own shard of the unsharded tensor."""
@@ -33,6 +33,10 @@ def sample(key_data: torch.Tensor, shape: Sequence[int], distribution: str, dtyp
     return bridge.call(sampling_kernels.sample, key_data, shape=shape, **options)
 
 
-@sample.register_fake
+sample_op = torch.library.custom_op("torch_pallas::sample", _sample, mutates_args=())
+sample = _autograd.direct(sample_op, _sample)
+
+
+@sample_op.register_fake
 def _(key_data, shape, distribution, dtype, *options):
     return key_data.new_empty(tuple(shape), dtype=_output_dtype(distribution, dtype))
