@@ -46,7 +46,9 @@ _TPU_MAX_BLOCK_FEATURES = 1024
 _TPU_SPLIT_BLOCK_FEATURES = 512
 # Each recurrence step is a short dependent chain; unrolling lets the TPU scheduler
 # overlap neighbouring steps' loads and stores (not tuned on hardware). In interpret mode
-# unrolling made XLA's CPU loop slower (8 steps: ~2x at (1000, 1, 1000)).
+# unrolling gains nothing: XLA's CPU loop ran no faster unrolled anywhere measured, the
+# forward slower, and the unrolled kernels take longer to compile (measured in
+# bench/results/interpret_choices.md, § Time-loop unroll).
 _TPU_UNROLL = 8
 _INTERPRET_UNROLL = 1
 
