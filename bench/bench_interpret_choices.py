@@ -1,4 +1,4 @@
-"""Two interpret-mode choices of the IndRNN kernels, each timed against its alternative in
+"""Three interpret-mode choices of the IndRNN kernels, each timed against its alternatives in
 the same process, round-robin: what the comments at the choices point to.
 
 * Time-loop unroll (``tiling._INTERPRET_UNROLL = 1`` against ``_TPU_UNROLL = 8``): chosen
@@ -10,6 +10,12 @@ the same process, round-robin: what the comments at the choices point to.
   lowered and compiled while the flag holds its value, and the compiled executables are timed.
   Forward+backward jitted together (where the comment says XLA merges the interpreter's two
   NaN fills and copies one), and the backward alone.
+* The time block (``tiling.resolve_recurrence``'s interpret default: the whole sequence as one
+  block) against shorter ones, chosen through the public ``RecurrenceBlocks(time=...)`` with
+  the default batch and feature blocks: the lengths the docstring of ``resolve_recurrence``
+  names (500 steps at (1000, 1, 1000), 128 at (512, 64, 512)), and half of each (twice as
+  many blocks), to see whether the cost grows with the number of blocks. Forward+backward
+  jitted together.
 
 Each variant's compiled program is checked to differ from the other's, and its outputs to
 equal the other's. Off TPU every Pallas kernel runs in interpret mode; these choices are
@@ -34,6 +40,10 @@ from torch_pallas.kernels import tiling
 SHAPES = ((1000, 1, 1000), (512, 64, 512))
 UNROLL_SECTION = "Time-loop unroll"
 ALIAS_SECTION = "Zero-filled grad_x buffer"
+TIME_BLOCK_SECTION = "Time-block size"
+# The shorter time blocks timed against the whole sequence, per shape: the one the docstring
+# of resolve_recurrence names, and half of it.
+TIME_BLOCKS = {(1000, 1, 1000): (500, 250), (512, 64, 512): (128, 64)}
 
 
 def _inputs(T, B, F):
@@ -155,11 +165,48 @@ def measure_zeroed_grad_x(shape, repeats):
     return rows
 
 
+def measure_time_blocks(shape, repeats):
+    """Forward+backward with interpret mode's default time block (the whole sequence) against
+    the shorter blocks of ``TIME_BLOCKS``, same batch and feature blocks and unroll."""
+    T, B, F = shape
+    x, w, g, h0 = _inputs(T, B, F)
+    args = (x, w, g)
+    resolved = tiling.resolve_recurrence(None, T, B, F, jnp.float32, interpret=True)
+    if resolved.time != T:
+        raise AssertionError(f"interpret mode's default time block is {resolved.time}, not the whole sequence {T}")
+    compiled = {time_block: _compile(_computations(h0, tiling.RecurrenceBlocks(
+                    time_block, resolved.batch, resolved.features))["forward+backward"], *args)
+                for time_block in (T,) + TIME_BLOCKS[shape]}
+    default, _, hlo_default = compiled[T]
+    expected = default(*args)
+    differences = {T: 0.0}
+    for time_block, (executable, _, hlo) in compiled.items():
+        if time_block == T:
+            continue
+        if hlo == hlo_default:
+            raise AssertionError(f"{shape}: time block {time_block} did not change the compiled program")
+        # The backward's float32 summation order does not depend on the time block (see
+        # _backward_kernel), so the results are expected bit for bit; checked relatively, reported.
+        differences[time_block] = _check_outputs(expected, executable(*args), f"time block {time_block} {shape}",
+                                                 tolerance=1e-5)
+    timings = time_round_robin({time_block: Contender.jax(executable, *args)
+                                for time_block, (executable, _, _) in compiled.items()}, repeats=repeats)
+    baseline = timings[T].median_ms
+    rows = []
+    for time_block, timing in timings.items():
+        blocks = -(-T // time_block)
+        label = f"{time_block} ({blocks} block{'s' if blocks > 1 else ''}{', library default' if time_block == T else ''})"
+        rows.append([str(shape), "forward+backward", label, timing.median_ms, timing.min_ms,
+                     timing.median_ms / baseline, compiled[time_block][1], differences[time_block]])
+    return rows
+
+
 def run(full: bool):
     repeats = 101 if full else 15
     load_before = os.getloadavg()[0]
     unroll_rows = [row for shape in SHAPES for row in measure_unroll(shape, repeats)]
     alias_rows = [row for shape in SHAPES for row in measure_zeroed_grad_x(shape, repeats)]
+    time_block_rows = [row for shape in SHAPES for row in measure_time_blocks(shape, repeats)]
     load = (load_before, os.getloadavg()[0])
 
     md = (f"## {UNROLL_SECTION}\n\nThe IndRNN kernels' time loop unrolled by hand "
@@ -177,12 +224,20 @@ def run(full: bool):
            "array in the optimised HLO XLA compiled. Relu, float32, default blocks, from JAX.\n\n")
     md += markdown_table(["shape (T, B, F)", "computation", "grad_x", "whole-array copies", "ms (median)",
                           "ms (min)", "median / library"], alias_rows)
-    md += (f"\nEach pair of rows (one shape, one computation) was timed round-robin ({repeats} rounds, "
-           "each running both variants once, after 2 warm-up calls each), so a slow phase of the machine "
-           "falls on both alike; the pairs one after another. The two variants of each pair compiled to "
-           "different programs, and computed the same results (checked by the benchmark): bit for bit with "
-           "and without the grad_x buffer; with unroll 8, the largest of max|difference| / max|value| over the "
-           "outputs is the last column of the first table (0: bit for bit; otherwise float32 rounding in "
+    md += (f"\n## {TIME_BLOCK_SECTION}\n\nInterpret mode's default time block of the IndRNN kernels, the "
+           "whole sequence as one block (`tiling.resolve_recurrence`), against shorter ones chosen through "
+           "`RecurrenceBlocks(time=...)` with the same batch and feature blocks (the whole of each) and unroll: "
+           "the lengths `resolve_recurrence`'s docstring names (500 steps at (1000, 1, 1000), 128 at "
+           "(512, 64, 512)) and half of each. Forward+backward jitted together; relu, float32, from JAX.\n\n")
+    md += markdown_table(["shape (T, B, F)", "computation", "time block (steps)", "ms (median)", "ms (min)",
+                          "median / one block", "lower+compile s", "max output difference"], time_block_rows)
+    md += (f"\nEach group of rows (one shape, one computation: a pair in the first two tables, three time "
+           f"blocks in the third) was timed round-robin ({repeats} rounds, each running every variant once, "
+           "after 2 warm-up calls each), so a slow phase of the machine falls on all alike; the groups one "
+           "after another. The variants of each group compiled to different programs, and computed the same "
+           "results (checked by the benchmark): bit for bit with and without the grad_x buffer; with unroll 8 "
+           "and with shorter time blocks, the largest of max|difference| / max|value| over the outputs is the "
+           "last column of the first and third tables (0: bit for bit; otherwise float32 rounding in "
            "size). 'forward+backward' is the two kernels "
            "jitted together, as a training step runs them. The machine's 1-minute load average was "
            f"{load[0]:.2f} before and {load[1]:.2f} after (2 cores; other processes than this one count in it).\n")
@@ -192,5 +247,8 @@ def run(full: bool):
                                            for row in unroll_rows],
                                 "zeroed_grad_x": [dict(zip(["shape", "computation", "grad_x", "whole_array_copies",
                                                             "median_ms", "min_ms", "ratio"], row))
-                                                  for row in alias_rows]}, md, None)
+                                                  for row in alias_rows],
+                                "time_block": [dict(zip(["shape", "computation", "time_block", "median_ms", "min_ms",
+                                                         "ratio", "compile_s", "max_output_difference"], row))
+                                               for row in time_block_rows]}, md, None)
     return md
