@@ -2,7 +2,8 @@
 
     ./dev bench                 # quick mode (a few minutes on 2 CPU cores)
     ./dev bench --full          # full mode (adds sizes, repeats, the unrolled-loop compile at T=1000)
-    ./dev bench --only dropout  # one of: dispatch, dropout, indrnn, runtime, training, tpu_compile, tpu_step, sharding
+    ./dev bench --only dropout  # one of: dispatch, dropout, indrnn, interpret_choices, runtime, training, tpu_compile,
+                                # tpu_step, sharding
 """
 
 import argparse
@@ -18,14 +19,16 @@ import torch_pallas  # noqa: E402,F401  (torch_xla before JAX)
 import bench_dispatch  # noqa: E402
 import bench_dropout  # noqa: E402
 import bench_indrnn  # noqa: E402
+import bench_interpret_choices  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_sharding  # noqa: E402
 import bench_tpu_compile  # noqa: E402
 import bench_tpu_step  # noqa: E402
 import bench_training  # noqa: E402
 
-BENCHMARKS = {"dispatch": bench_dispatch, "dropout": bench_dropout, "indrnn": bench_indrnn, "runtime": bench_runtime,
-              "training": bench_training, "tpu_compile": bench_tpu_compile, "tpu_step": bench_tpu_step, "sharding": bench_sharding}
+BENCHMARKS = {"dispatch": bench_dispatch, "dropout": bench_dropout, "indrnn": bench_indrnn,
+              "interpret_choices": bench_interpret_choices, "runtime": bench_runtime, "training": bench_training,
+              "tpu_compile": bench_tpu_compile, "tpu_step": bench_tpu_step, "sharding": bench_sharding}
 
 
 def main():

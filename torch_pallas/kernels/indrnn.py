@@ -501,6 +501,12 @@ def _ignoring_input(kernel, index: int):
     return kernel_with_ignored_input
 
 
+# Whether interpret mode hands the backward kernel a zero-filled grad_x buffer to write into
+# (see _backward_call). Always on; a switch, read when the backward is traced, only so that
+# bench/bench_interpret_choices.py can time the kernel without it.
+_INTERPRET_ZEROED_GRAD_X = True
+
+
 def _backward_call(grad_output, grad_h_n, output, weight, h0, lengths, *, nonlinearity: str, interpret: bool,
                    blocks: tiling.RecurrenceBlocks):
     T, B, F = output.shape
@@ -520,12 +526,14 @@ def _backward_call(grad_output, grad_h_n, output, weight, h0, lengths, *, nonlin
     in_specs = [specs.sequence_spec, specs.state_spec, specs.sequence_spec, previous_row_spec,
                 specs.weight_spec, specs.state_spec] + [specs.lengths_spec] * len(optional)
     aliases = {}
-    if interpret:
+    if interpret and _INTERPRET_ZEROED_GRAD_X:
         # The interpreter starts each output as a NaN-filled array. XLA merges this one with
         # the forward output's identical fill, then copies the whole (T, B, F) array so that
-        # both loops can update theirs in place: a read and a write more than a second fill
-        # (2.9 ms of 50 at (512, 64, 512)). A zero-filled buffer handed in as grad_x is a
-        # value of its own, so neither loop needs a copy.
+        # both loops can update theirs in place: a read and a write more than a second fill.
+        # A zero-filled buffer handed in as grad_x is a value of its own, so neither loop
+        # needs a copy. The copy is small next to the interpreted loops' own cost, but it is
+        # never needed (measured, and the copy counted in the compiled program, in
+        # bench/results/interpret_choices.md, § Zero-filled grad_x buffer).
         aliases = {len(inputs): 0}
         kernel = _ignoring_input(kernel, len(inputs))
         inputs.append(jnp.zeros((T, B, F), output.dtype))

@@ -46,7 +46,9 @@ _TPU_MAX_BLOCK_FEATURES = 1024
 _TPU_SPLIT_BLOCK_FEATURES = 512
 # Each recurrence step is a short dependent chain; unrolling lets the TPU scheduler
 # overlap neighbouring steps' loads and stores (not tuned on hardware). In interpret mode
-# unrolling made XLA's CPU loop slower (8 steps: ~2x at (1000, 1, 1000)).
+# unrolling gains nothing: XLA's CPU loop ran no faster unrolled anywhere measured, the
+# forward slower, and the unrolled kernels take longer to compile (measured in
+# bench/results/interpret_choices.md, § Time-loop unroll).
 _TPU_UNROLL = 8
 _INTERPRET_UNROLL = 1
 
@@ -206,9 +208,10 @@ def resolve_recurrence(blocks: RecurrenceBlocks | None, T: int, B: int, F: int, 
     """``blocks`` checked against a ``(T, B, F)`` sequence, or the default for it.
 
     Default: in interpret mode the whole sequence as one block: each grid step there
-    dynamic-slices every operand's block out of the full array and writes it back (measured
-    on 2 cores: 500-step blocks made forward+backward ~2x slower than one block at
-    (1000, 1, 1000), 128-step blocks ~2.5x at (512, 64, 512)), and there is no VMEM to fit. On TPU:
+    dynamic-slices every operand's block out of the full array and writes it back, and there
+    is no VMEM to fit. Shorter time blocks made forward+backward several times slower at both
+    shapes measured, and more blocks slower still, though by less than their number
+    (bench/results/interpret_choices.md, § Time-block size). On TPU:
     ``features`` the full F up to 1024, else 512; ``batch`` the full B up to 32, else 32;
     ``time`` so that one block is about 1 MiB (the backward keeps three such streams
     double-buffered), between 8 and 256 steps, balanced over T.
