@@ -134,8 +134,15 @@ def _indrnn_contenders(device):
 
         return build
 
+    def autograd_floor():
+        x.grad = w.grad = None
+        output = x * w
+        output.backward(g)
+        return [output, x.grad, w.grad]
+
     xd, wd = x.detach(), w.detach()
     return {
+        "x * w (autograd floor) fwd+bwd": autograd_floor,
         "torch_pallas.indrnn fwd": pallas(False, False),
         "torch_pallas.indrnn (old path) fwd": pallas(False, True),
         "call_jax(lax.scan) fwd": lambda: [xb.call_jax(scan, (xd, wd))],
@@ -165,6 +172,7 @@ def _gpt2_contenders():
         "GPT-2 step, torch dropout": step(model, True, False, False),
         "GPT-2 step, torch_pallas dropout": step(pallas_model, True, True, False),
         "GPT-2 step, torch_pallas dropout (old path)": step(pallas_model, True, True, True),
+        "GPT-2 step, torch_pallas dropout, convert_dropout only": step(pallas_model, True, False, False),
         "GPT-2 step, dropout off (eval mode)": step(model, False, False, False),
     }
 
@@ -221,9 +229,10 @@ def run(full: bool) -> str:
     indrnn = host_round_robin(_indrnn_contenders(device), warmup=3, rounds=rounds)
     raw.update(indrnn)
     for kind, peer in (("fwd", "call_jax(lax.scan) fwd"), ("fwd+bwd", "call_jax(grad of lax.scan) fwd+bwd")):
-        for name in (f"torch_pallas.indrnn {kind}", f"torch_pallas.indrnn (old path) {kind}", peer):
+        floor = ("x * w (autograd floor) fwd+bwd",) if kind == "fwd+bwd" else ()
+        for name in (f"torch_pallas.indrnn {kind}", f"torch_pallas.indrnn (old path) {kind}", peer, *floor):
             median, minimum = _stats(indrnn[name])
-            is_peer = name == peer
+            is_peer = name in (peer, *floor)
             rows.append([name.rsplit(" ", 1)[0], kind, f"one call, {INDRNN_SHAPE}", median, minimum,
                          "—" if is_peer else peer.rsplit(" ", 1)[0],
                          None if is_peer else median / statistics.median(indrnn[peer])])
@@ -250,9 +259,12 @@ def run(full: bool) -> str:
         f"adds `h.sum().backward()`; per call = median over rounds of (chain - the same round's chain of "
         f"`h = h + 1`) / {CHAIN}; min = (best chain - best baseline) / {CHAIN}. IndRNN: one call at (T, B, F) = "
         f"{INDRNN_SHAPE}, relu, against one `call_jax` of a jitted `lax.scan` (fwd) or of its `jax.grad` "
-        "(fwd+bwd: one call computing forward and backward). GPT-2: 6 layers, width 256, 4 heads, vocabulary "
+        "(fwd+bwd: one call computing forward and backward, outside torch's autograd); the autograd floor is "
+        "`x * w` with `backward(g)` into the same two leaves, what any op pays for torch's autograd there. GPT-2: 6 layers, width 256, 4 heads, vocabulary "
         "8192, batch 8 x 128, eager attention, 19 dropouts of 0.1; forward, loss and `backward()` (no "
-        "optimizer update); torch_pallas = `convert_dropout` + `route_dropout`; dropout off = the model in "
+        "optimizer update); torch_pallas = `convert_dropout` + `route_dropout` (every dropout of this model is an `nn.Dropout`, so "
+        "`convert_dropout` alone reaches them all too: that row shows what the routing mode, a Python "
+        "`TorchFunctionMode` that sees every torch call of the step, costs); dropout off = the model in "
         "eval mode. 'old path' rows call the same kernels as before #19: through the custom op's dispatch "
         "and one `call_jax` per call, monkeypatched in for those rows only (the public functions' checks "
         "are today's). Targets of #19: "

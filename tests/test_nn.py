@@ -244,13 +244,15 @@ def test_indrnn_dropout_mask_is_shared_over_time():
     assert not recorder.calls, "dropout ran in eval mode"
 
 
-@pytest.mark.parametrize("bad", [
-    dict(input_size=0), dict(hidden_size=-1), dict(num_layers=1.5), dict(nonlinearity="gelu"),
-    dict(dropout=1.5), dict(recurrent_max_abs=0.0), dict(recurrent_max_abs=float("inf")),
+@pytest.mark.parametrize("bad,error", [
+    (dict(input_size=0), ValueError), (dict(hidden_size=-1), ValueError), (dict(num_layers=1.5), TypeError),
+    (dict(hidden_size="8"), TypeError), (dict(nonlinearity="gelu"), ValueError), (dict(dropout=1.5), ValueError),
+    (dict(recurrent_max_abs=0.0), ValueError), (dict(recurrent_max_abs=float("inf")), ValueError),
 ])
-def test_indrnn_module_rejects_bad_arguments(bad):
+def test_indrnn_module_rejects_bad_arguments(bad, error):
+    """A value of the wrong type is a TypeError, one out of range a ValueError, as across torch_pallas."""
     arguments = dict(input_size=4, hidden_size=8) | bad
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         IndRNN(**arguments)
 
 
@@ -307,7 +309,8 @@ def test_indrnn_rejects_dtypes_other_than_the_parameters_as_nn_rnn(input_dtype, 
     name, dtype = ("input", input_dtype) if hx is None else ("hx", hx_dtype)
     with pytest.raises(expected, match=f"{name} must have the type torch.float32, got type {dtype}") as error:
         IndRNN(4, 8).to(torch_xla.device())(xla(x), None if hx is None else xla(hx))
-    assert isinstance(error.value, ValueError)
+    # a dtype error is a TypeError across torch_pallas, and also what nn.RNN raises
+    assert isinstance(error.value, TypeError) and isinstance(error.value, ValueError)
 
 
 def test_indrnn_under_autocast_accepts_other_float_dtypes_but_not_token_ids():

@@ -67,6 +67,7 @@ _keep_jax_on_cpu_with_the_cpu_client()
 # Both facts are fixed for a process; dynamo treats them as constants instead of tracing
 # into torch_xla's C++ bindings (which it cannot).
 @torch.compiler.assume_constant_result
+@functools.cache  # every kernel call asks; torch_xla reads the environment each time
 def on_tpu() -> bool:
     """Whether the XLA device is a TPU (``PJRT_DEVICE=TPU``)."""
     return xr.device_type() == "TPU"

@@ -243,9 +243,10 @@ def test_rejects_unknown_nonlinearity():
         indrnn.indrnn_backward(x, h0, x, weight, h0, nonlinearity="gelu", interpret=True)
 
 
-@pytest.mark.parametrize("blocks", [(0, 8, 128), (8.0, 8, 128), (8, True, 128)])
-def test_rejects_non_positive_int_blocks(blocks):
-    with pytest.raises(ValueError, match="RecurrenceBlocks"):
+@pytest.mark.parametrize("blocks,error", [((0, 8, 128), ValueError), ((8.0, 8, 128), TypeError),
+                                          ((8, True, 128), TypeError)])
+def test_rejects_non_positive_int_blocks(blocks, error):
+    with pytest.raises(error, match="RecurrenceBlocks"):
         RecurrenceBlocks(*blocks)
 
 

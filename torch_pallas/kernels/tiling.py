@@ -56,7 +56,10 @@ _INTERPRET_UNROLL = 1
 def _check_positive_ints(blocks, names) -> None:
     for name in names:
         value = getattr(blocks, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{type(blocks).__name__}.{name} must be a positive int, got {type(value).__name__} "
+                            f"{value!r}")
+        if value < 1:
             raise ValueError(f"{type(blocks).__name__}.{name} must be a positive int, got {value!r}")
         object.__setattr__(blocks, name, int(value))
 

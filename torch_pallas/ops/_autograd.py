@@ -87,9 +87,12 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
         return output
 
     # The old form (ctx in forward): Function.apply binds default arguments through
-    # inspect.signature for a Function with setup_context, on every call.
+    # inspect.signature for a Function with setup_context, on every call. Applied through
+    # torch's C entry point: Function.apply's Python adds only functorch's handling, and
+    # calls under torch.func or with its wrapped tensors do not come here.
     Eager = type(f"{name}_eager", (torch.autograd.Function,), dict(
         forward=staticmethod(eager_forward), backward=eager_backward))
+    apply_eager = super(torch.autograd.Function, Eager).apply
 
     def apply(*args):
         if _under_torch_func() or (not torch.compiler.is_compiling() and forward_ad._current_level >= 0):
@@ -97,7 +100,7 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
         if _through_op(args):
             return op(*args)
         if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
-            return Eager.apply(*args)
+            return apply_eager(*args)
         return compute(*args)
 
     return apply

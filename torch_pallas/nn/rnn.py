@@ -1,8 +1,7 @@
-"""Modules: :class:`Dropout` (a drop-in :class:`torch.nn.Dropout`), :func:`convert_dropout`, :class:`IndRNN`."""
+"""Recurrent modules: :class:`IndRNN`, with :class:`torch.nn.RNN`'s conventions."""
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 
@@ -10,185 +9,11 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from torch_pallas import _checks, sharding
-from torch_pallas.functional import _dropout, _indrnn, dropout1d, dropout2d, dropout3d, dropout as dropout_fn
+from torch_pallas.functional import _dropout, _indrnn
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
 
-__all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "IndRNN", "convert_dropout"]
-
-_logger = logging.getLogger("torch_pallas")
-
-
-class _KeyedDropout:
-    """What the dropout modules share: torch's ``(p, inplace)`` plus ``impl``, and the call."""
-
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None):
-        super().__init__(_checks.check_probability(p), inplace)
-        _checks.resolve_impl(impl)
-        self.impl = impl
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self._function(input, self.p, self.training, self.inplace, impl=self.impl)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (f", impl={self.impl!r}" if self.impl is not None else "")
-
-
-class Dropout(_KeyedDropout, torch.nn.Dropout):
-    r"""During training, zeroes elements with probability ``p`` and scales the rest by :math:`1/(1-p)`.
-
-    A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr)
-    on XLA devices: each call draws a fresh key from the XLA RNG (reproducible after
-    ``torch_xla.manual_seed``; on the CPU, from torch's generator), and the backward pass
-    regenerates the mask from that 8-byte key instead of storing it. In ``eval()`` mode it
-    returns its input, whatever its device and dtype. See :func:`torch_pallas.dropout`.
-
-    Args:
-        p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
-        inplace (bool): write the result into the input and return it, as
-            :class:`torch.nn.Dropout` does. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
-
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            in SPMD mode, how the input is sharded (as ``xs.mark_sharding`` takes it): the
-            kernel then runs on each device's shard, also under ``torch.compile`` and for
-            intermediate activations, whose sharding is otherwise not visible (see
-            :func:`torch_pallas.dropout`). Give both or neither.
-
-    Shape:
-        - Input: any shape (with ``partition_spec``, of its rank); in training mode float32,
-          bfloat16, float16 or float64 on an XLA device or the CPU.
-        - Output: the input's shape and dtype.
-
-    Raises:
-        TypeError: ``p`` is not a real number.
-        ValueError: ``p`` outside :math:`[0, 1]` or NaN, an unknown ``impl``,
-            ``impl="hardware"`` off TPU, or only one of ``mesh`` and ``partition_spec``.
-    """
-
-    _function = staticmethod(dropout_fn)
-
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, impl=None, mesh=None, partition_spec=None):
-        super().__init__(p, inplace, impl=impl)
-        self.mesh, self.partition_spec, self._sharding = _module_sharding(mesh, partition_spec)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.mesh is None:
-            return super().forward(input)
-        _checks.check_tensor(input, "input")
-        return _dropout(input, self.p, self.training, self.inplace, None, None, self.impl, False, self._sharding)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (f", partition_spec={self.partition_spec!r}" if self.mesh is not None else "")
-
-
-def _module_sharding(mesh, partition_spec, order=None):
-    """``(mesh, partition_spec as a tuple, the Sharding it gives)``, all ``None`` when neither
-    is given. Resolved when the module is built: torch.compile cannot trace torch_xla's mesh
-    code. ``order`` permutes the spec first (to the layout the kernels see)."""
-    if mesh is None and partition_spec is None:
-        return None, None, None
-    spec = None if partition_spec is None else tuple(partition_spec)
-    kernel_spec = spec if order is None or spec is None else tuple(spec[d] for d in order)
-    return mesh, spec, sharding.resolve(None, mesh, kernel_spec)
-
-
-_CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
-    :math:`1/(1-p)`: a drop-in for :class:`torch.nn.{name}` (a subclass of it, with its
-    signature and repr) on XLA devices (and the CPU). Each call draws a fresh key from the
-    RNG of the input's device; the
-    mask has one element per (sample, channel). In ``eval()`` mode it returns its input.
-    See :func:`torch_pallas.functional.{function}`.
-
-    Args:
-        p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
-        inplace (bool): write the result into the input and return it. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
-
-    Shape:
-        - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16,
-          float16 or float64 on an XLA device or the CPU.
-        - Output: the input's shape and dtype.
-
-    Raises:
-        TypeError, ValueError: as :class:`Dropout`.
-    """
-
-
-class Dropout1d(_KeyedDropout, torch.nn.Dropout1d):
-    __doc__ = _CHANNEL_DOC.format(name="Dropout1d", function="dropout1d", batched="(N, C, L)", unbatched="(C, L)")
-    _function = staticmethod(dropout1d)
-
-
-class Dropout2d(_KeyedDropout, torch.nn.Dropout2d):
-    __doc__ = _CHANNEL_DOC.format(name="Dropout2d", function="dropout2d", batched="(N, C, H, W)",
-                                  unbatched="(N, C, L)")
-    _function = staticmethod(dropout2d)
-
-
-class Dropout3d(_KeyedDropout, torch.nn.Dropout3d):
-    __doc__ = _CHANNEL_DOC.format(name="Dropout3d", function="dropout3d", batched="(N, C, D, H, W)",
-                                  unbatched="(C, D, H, W)")
-    _function = staticmethod(dropout3d)
-
-
-_REPLACEMENTS = {torch.nn.Dropout: Dropout, torch.nn.Dropout1d: Dropout1d, torch.nn.Dropout2d: Dropout2d,
-                 torch.nn.Dropout3d: Dropout3d}
-
-
-def convert_dropout(model: torch.nn.Module, *, impl=None, mesh=None, partition_spec=None) -> torch.nn.Module:
-    """Replaces every :class:`torch.nn.Dropout`, ``Dropout1d``, ``Dropout2d`` and ``Dropout3d``
-    in ``model`` (nested too) with its torch_pallas counterpart (:class:`Dropout`, ...).
-
-    Each replacement keeps the original's ``p``, ``inplace`` and training mode.
-    ``AlphaDropout`` and ``FeatureAlphaDropout`` (other semantics) are left alone, as are
-    other subclasses. Dropout that is not a module (``F.dropout`` calls in ``forward``, as
-    in OPT or Llama) is out of this function's reach: run the model inside
-    :func:`torch_pallas.route_dropout` to reach it. The ``torch_pallas`` logger says what
-    was converted, and a warning says so when nothing was.
-
-    Args:
-        model (nn.Module): converted in place.
-        impl (str, optional): passed to every new module.
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            passed to every new :class:`Dropout` (not to the channel variants, which run on
-            the whole tensor): in SPMD mode, how the activations they see are sharded, for
-            example ``("fsdp", None, None)`` for the (batch, sequence, features) activations
-            of a model trained with FSDPv2. Every such dropout must then see tensors of
-            that rank (a ValueError otherwise). Give both or neither.
-
-    Returns:
-        nn.Module: ``model``, or the replacement if ``model`` itself is a dropout module.
-
-    Raises:
-        ValueError: an unknown ``impl``, ``impl="hardware"`` off TPU, only one of ``mesh``
-            and ``partition_spec``, or a mesh outside SPMD mode.
-    """
-    _checks.resolve_impl(impl)
-    _module_sharding(mesh, partition_spec)  # raises before anything is replaced
-    sharded = dict(mesh=mesh, partition_spec=partition_spec)
-    if type(model) in _REPLACEMENTS:
-        return _replacement(model, impl, sharded)
-    converted = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) in _REPLACEMENTS:
-                setattr(parent, name, _replacement(child, impl, sharded))
-                converted.append(f"{parent_name}.{name}" if parent_name else name)
-    _logger.info("convert_dropout: converted %d dropout modules: %s", len(converted), ", ".join(converted))
-    if not converted:
-        _checks.warn(f"convert_dropout found no nn.Dropout/Dropout1d/2d/3d module in {type(model).__name__}; "
-                     "if its forward calls F.dropout, run it inside torch_pallas.route_dropout()", stacklevel=2)
-    return model
-
-
-def _replacement(module: torch.nn.Module, impl, sharded: dict) -> torch.nn.Module:
-    options = sharded if type(module) is torch.nn.Dropout else {}
-    replacement = _REPLACEMENTS[type(module)](module.p, module.inplace, impl=impl, **options)
-    replacement.train(module.training)
-    return replacement
+__all__ = ["IndRNN"]
 
 
 class _RNNInputError(ValueError, RuntimeError):
@@ -197,8 +22,16 @@ class _RNNInputError(ValueError, RuntimeError):
     nn.RNN (``except RuntimeError``) still catches."""
 
 
+class _RNNDtypeError(TypeError, _RNNInputError):
+    """An input or ``hx`` of the wrong dtype: a TypeError like every dtype error of
+    torch_pallas, and the ValueError (input) or RuntimeError (``hx``) nn.RNN raises."""
+
+
 def _check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    """As nn.RNN: TypeError for a non-int, ValueError for one below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -283,9 +116,13 @@ class IndRNN(torch.nn.Module):
         super().__init__()
         if mesh is not None and partition_spec is not None and len(partition_spec) != 3:
             raise ValueError(f"partition_spec must describe the 3-D input, got {partition_spec!r}")
-        # _sharding: of the time-major sequence the kernels see
-        self.mesh, self.partition_spec, self._sharding = _module_sharding(
-            mesh, partition_spec, (1, 0, 2) if batch_first else None)
+        self.mesh, self.partition_spec = mesh, None if partition_spec is None else tuple(partition_spec)
+        # Of the time-major sequence the kernels see, resolved when built (torch.compile
+        # cannot trace torch_xla's mesh code).
+        kernel_spec = self.partition_spec
+        if kernel_spec is not None and batch_first:
+            kernel_spec = (kernel_spec[1], kernel_spec[0], kernel_spec[2])
+        self._sharding = sharding.resolve(None, mesh, kernel_spec)
         self.input_size = _check_positive_int(input_size, "input_size")
         self.hidden_size = _check_positive_int(hidden_size, "hidden_size")
         self.num_layers = _check_positive_int(num_layers, "num_layers")
@@ -382,38 +219,8 @@ class IndRNN(torch.nn.Module):
             raise TypeError(f"input must be a torch.Tensor or a PackedSequence, got {type(input).__name__}")
         else:
             lengths = None
-        parameter_device = self.weight_ih_l0.device
-        for name, tensor in (("input", input), ("hx", hx)):
-            if isinstance(tensor, torch.Tensor) and tensor.device != parameter_device:
-                raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on "
-                                 f"{parameter_device}: move both to the same device (module.to(device))")
-        self._check_dtypes(input, hx)
-        batched = input.dim() == 3
-        if input.dim() not in (2, 3):
-            raise ValueError(f"input must be 2-D (unbatched) or 3-D, got shape {tuple(input.shape)}")
-        if input.shape[-1] != self.input_size:
-            raise _RNNInputError(f"input must have {self.input_size} features, got shape {tuple(input.shape)}")
-        if input.shape[0 if packed or not (batched and self.batch_first) else 1] == 0:
-            # as nn.RNN ("Expected sequence length to be larger than 0"); a batch of 0 it accepts
-            raise _RNNInputError(f"input must have at least one time step, got shape {tuple(input.shape)}"
-                                 f"{' (batch_first)' if batched and self.batch_first else ''}")
-        sequence = input if batched else input.unsqueeze(1)
-        if batched and self.batch_first and not packed:
-            sequence = sequence.transpose(0, 1)
-        batch = sequence.shape[1]
-        states = self.num_layers * self.num_directions
-        if hx is not None:
-            expected = (states, batch, self.hidden_size) if batched else (states, self.hidden_size)
-            if not isinstance(hx, torch.Tensor) or hx.shape != expected:
-                raise _RNNInputError(f"hx must have shape {expected}, got "
-                                 f"{tuple(hx.shape) if isinstance(hx, torch.Tensor) else type(hx).__name__}")
-            if not batched:
-                hx = hx.unsqueeze(1)
-        if lengths is not None:
-            lengths = _checks.check_lengths(lengths, parameter_device, sequence.shape[0], batch)
-        if self.mesh is not None and (packed or not batched):
-            raise ValueError("a module with a partition_spec takes a padded, batched input "
-                             "(a PackedSequence or an unbatched input cannot be split by it)")
+        sequence, hx, lengths = self.check_forward_args(input, hx, lengths, packed)
+        batched = packed or input.dim() == 3
 
         last_states = []
         for layer in range(self.num_layers):
@@ -441,17 +248,64 @@ class IndRNN(torch.nn.Module):
             return sequence.squeeze(1), h_n.squeeze(1)
         return (sequence.transpose(0, 1) if self.batch_first else sequence), h_n
 
-    def _check_dtypes(self, input: torch.Tensor, hx) -> None:
-        """As nn.RNN: the input's dtype must be the parameters' unless autocast is on (which
-        casts the projection); hx's too (nn.RNN fails on it in a matmul, with RuntimeError).
-        Integer inputs (token ids: embed them first) never pass, autocast or not."""
+    def check_forward_args(self, input: torch.Tensor, hx, lengths, packed: bool):
+        """Checks :meth:`forward`'s arguments as :meth:`torch.nn.RNNBase.check_forward_args`
+        does, and returns them as the kernels take them: the time-major batched sequence, the
+        batched ``hx`` (or ``None``) and the lengths (or ``None``)."""
+        self.check_input(input, packed)
+        batched = packed or input.dim() == 3
+        sequence = input if batched else input.unsqueeze(1)
+        if batched and self.batch_first and not packed:
+            sequence = sequence.transpose(0, 1)
+        batch = sequence.shape[1]
+        if hx is not None:
+            states = self.num_layers * self.num_directions
+            self.check_hidden_size(hx, (states, batch, self.hidden_size) if batched else (states, self.hidden_size))
+            if not batched:
+                hx = hx.unsqueeze(1)
+        if lengths is not None:
+            lengths = _checks.check_lengths(lengths, input.device, sequence.shape[0], batch)
+        if self.mesh is not None and (packed or not batched):
+            raise ValueError("a module with a partition_spec takes a padded, batched input "
+                             "(a PackedSequence or an unbatched input cannot be split by it)")
+        return sequence, hx, lengths
+
+    def check_input(self, input: torch.Tensor, packed: bool = False) -> None:
+        """As :meth:`torch.nn.RNNBase.check_input`: the parameters' device and dtype (another
+        float dtype under autocast), 2-D or 3-D, ``input_size`` features, a time step at least."""
+        self._check_device(input, "input")
+        self._check_dtype(input, "input")
+        if input.dim() not in (2, 3):
+            raise ValueError(f"input must be 2-D (unbatched) or 3-D, got shape {tuple(input.shape)}")
+        if input.shape[-1] != self.input_size:
+            raise _RNNInputError(f"input must have {self.input_size} features, got shape {tuple(input.shape)}")
+        batch_first = input.dim() == 3 and self.batch_first and not packed
+        if input.shape[1 if batch_first else 0] == 0:
+            # as nn.RNN ("Expected sequence length to be larger than 0"); a batch of 0 it accepts
+            raise _RNNInputError(f"input must have at least one time step, got shape {tuple(input.shape)}"
+                                 f"{' (batch_first)' if batch_first else ''}")
+
+    def check_hidden_size(self, hx, expected_size: tuple[int, ...]) -> None:
+        """As :meth:`torch.nn.RNNBase.check_hidden_size`, with its device and dtype too."""
+        if not isinstance(hx, torch.Tensor) or hx.shape != expected_size:
+            raise _RNNInputError(f"hx must have shape {expected_size}, got "
+                                 f"{tuple(hx.shape) if isinstance(hx, torch.Tensor) else type(hx).__name__}")
+        self._check_device(hx, "hx")
+        self._check_dtype(hx, "hx")
+
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        device = self.weight_ih_l0.device
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but the module's parameters are on {device}: move "
+                             "both to the same device (module.to(device))")
+
+    def _check_dtype(self, tensor: torch.Tensor, name: str) -> None:
+        """As nn.RNN: the parameters' dtype unless autocast is on (which casts the
+        projection); integer inputs (token ids: embed them first) never pass."""
         expected = self.weight_ih_l0.dtype
-        autocast = torch._C._is_any_autocast_enabled()
-        if not input.is_floating_point() or (input.dtype != expected and not autocast):
-            raise _RNNInputError(f"input must have the type {expected}, got type {input.dtype}"
-                                 + (" (token ids? embed them first)" if not input.is_floating_point() else ""))
-        if isinstance(hx, torch.Tensor) and (not hx.is_floating_point() or (hx.dtype != expected and not autocast)):
-            raise _RNNInputError(f"hx must have the type {expected}, got type {hx.dtype}")
+        if not tensor.is_floating_point() or (tensor.dtype != expected and not torch._C._is_any_autocast_enabled()):
+            raise _RNNDtypeError(f"{name} must have the type {expected}, got type {tensor.dtype}"
+                                 + (" (token ids? embed them first)" if not tensor.is_floating_point() else ""))
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"
