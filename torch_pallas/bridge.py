@@ -30,6 +30,7 @@ from torch_xla._internal.jax_workarounds import jax_import_guard
 jax_import_guard()
 
 import torch_xla.core.xla_builder as xb  # noqa: E402  (after the guard)
+from jax._src import config as _jax_config  # noqa: E402
 from jax._src import xla_bridge as _jax_xla_bridge  # noqa: E402
 
 
@@ -224,8 +225,9 @@ def lowering_for_tpu(enabled: bool = True):
         _lowering_for_tpu = previous
 
 
-# (function, static values (interpret among them: the platform), JAX's trace context, input
-# shapes and dtypes) -> the lowered computation and its outputs' tree. call_jax keeps such a cache too, but reaches it
+# (function, interpret (the platform), static values in the caller's order, JAX's trace
+# context, input shapes and dtypes) -> the lowered computation and whether it returns one
+# array (else a tuple of them). call_jax keeps such a cache too, but reaches it
 # through pytree flattening and sixteen environment-variable contexts on every call; here a
 # call after the first is a dictionary lookup and one torch_xla call.
 _COMPUTATIONS: dict = {}
@@ -236,23 +238,21 @@ def _call_in_graph(jax_function, tensors, static: dict):
     key (for TPU when :func:`lowers_for_tpu`, else for JAX's backend beside the client, the
     CPU) and applied with torch_xla's ``_xla_user_computation``, the call ``call_jax`` ends in
     (torch_xla 2.9's C++ binding, kept by the pin; ``call_jax`` uses it the same way)."""
-    from jax._src import config
-
-    platform = None if interpret_mode() else "tpu"
-    static = dict(static, interpret=platform is None)
-    key = (jax_function, tuple(sorted(static.items())), config.trace_context(),
-           tuple((tensor.shape, tensor.dtype) for tensor in tensors))
+    interpret = not lowers_for_tpu()
+    key = (jax_function, interpret, *static.items(), _jax_config.trace_context(),
+           *[(tensor.shape, tensor.dtype) for tensor in tensors])
     lowered = _COMPUTATIONS.get(key)
     if lowered is None:
-        lowered = _COMPUTATIONS[key] = _lower(jax_function, tensors, static, platform)
-    computation, outputs_tree = lowered
+        lowered = _COMPUTATIONS[key] = _lower(jax_function, tensors, dict(static, interpret=interpret),
+                                              None if interpret else "tpu")
+    computation, single = lowered
     outputs = torch_xla._XLAC._xla_user_computation("xla::torch_pallas", list(tensors), computation)
-    return outputs_tree.unflatten(outputs)
+    return outputs[0] if single else tuple(outputs)
 
 
 def _lower(jax_function, tensors, static: dict, platform):
-    """The XLA computation of ``jax_function`` for ``tensors``' shapes and dtypes, and the tree
-    of its outputs (a tuple of arrays, or one)."""
+    """The XLA computation of ``jax_function`` for ``tensors``' shapes and dtypes, and whether
+    it returns one array (else a tuple or list of them)."""
     import jax
     import jax.numpy as jnp
     from torch_xla._internal.jax_workarounds import jax_env_context
@@ -270,7 +270,7 @@ def _lower(jax_function, tensors, static: dict, platform):
         traced = jax.jit(flat, keep_unused=True).trace(*arguments)
         lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
         proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-    return xb.computation_from_module_proto("torch_pallas", proto), trees[0]
+    return xb.computation_from_module_proto("torch_pallas", proto), trees[0].num_nodes == 1
 
 
 @functools.cache
