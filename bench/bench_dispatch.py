@@ -39,7 +39,7 @@ import torch_xla
 import torch_xla.core.xla_builder as xb
 
 import torch_pallas
-from torch_pallas import bridge
+from torch_pallas import bridge, seeds
 from torch_pallas.ops import _autograd
 from bench_indrnn import SCAN_GRADIENTS, scan
 from common import markdown_table, wait_for_xla, write
@@ -92,6 +92,7 @@ def _chain_contenders(device):
         "F.dropout": lambda h: F.dropout(h, P) + 1,
         "torch_pallas.dropout": lambda h: torch_pallas.dropout(h, P) + 1,
         "torch_pallas.dropout (old path)": lambda h: torch_pallas.dropout(h, P) + 1,
+        "key draw (torch.randint)": lambda h: (seeds.key_data(device=device), h + 1)[1],
         "torch.rand": lambda h: h + torch.rand(SHAPE, device=device),
         "torch_pallas.random.uniform": lambda h: h + torch_pallas.random.uniform(SHAPE, device=device),
         "torch_pallas.random.uniform (old path)": lambda h: h + torch_pallas.random.uniform(SHAPE, device=device),
@@ -208,7 +209,8 @@ def run(full: bool) -> str:
     chains = host_round_robin(_chain_contenders(device), warmup=3, rounds=rounds)
     raw.update(chains)
     peers = {"torch_pallas.dropout": "F.dropout", "torch_pallas.dropout (old path)": "F.dropout",
-             "torch_pallas.random.uniform": "torch.rand", "torch_pallas.random.uniform (old path)": "torch.rand"}
+             "key draw (torch.randint)": "F.dropout", "torch_pallas.random.uniform": "torch.rand",
+             "torch_pallas.random.uniform (old path)": "torch.rand"}
     for kind in ("fwd", "fwd+bwd"):
         base = chains[f"none {kind}"]
 
@@ -219,7 +221,7 @@ def run(full: bool) -> str:
                     (min(samples) - min(base)) / CHAIN)
 
         for name in ("F.dropout", "torch_pallas.dropout", "torch_pallas.dropout (old path)",
-                     "torch.rand", "torch_pallas.random.uniform", "torch_pallas.random.uniform (old path)"):
+                     "key draw (torch.randint)", "torch.rand", "torch_pallas.random.uniform", "torch_pallas.random.uniform (old path)"):
             median, minimum = per_call(name)
             peer = peers.get(name)
             peer_median = per_call(peer)[0] if peer else None
@@ -255,7 +257,9 @@ def run(full: bool) -> str:
         f"of each output fetched, untimed, so the next starts from an empty graph. Within each group "
         f"(chains, IndRNN, GPT-2) the contenders are timed round-robin in one process, {rounds} rounds "
         f"({gpt2_rounds} for GPT-2) after warm-up. Chains: {CHAIN} steps of `h = dropout(h, {P}) + 1` (or "
-        f"`h = h + uniform(h.shape)` / `torch.rand`) on an {SHAPE} float32 tensor that requires grad; 'fwd+bwd' "
+        f"`h = h + uniform(h.shape)` / `torch.rand`; the key draw, what every torch_pallas call without a "
+        f"seed does first: `seeds.key_data()`, a `torch.randint` of two int32 words from the XLA RNG, "
+        f"beside `h = h + 1`) on an {SHAPE} float32 tensor that requires grad; 'fwd+bwd' "
         f"adds `h.sum().backward()`; per call = median over rounds of (chain - the same round's chain of "
         f"`h = h + 1`) / {CHAIN}; min = (best chain - best baseline) / {CHAIN}. IndRNN: one call at (T, B, F) = "
         f"{INDRNN_SHAPE}, relu, against one `call_jax` of a jitted `lax.scan` (fwd) or of its `jax.grad` "
