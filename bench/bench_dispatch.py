@@ -221,7 +221,8 @@ def run(full: bool) -> str:
                     (min(samples) - min(base)) / CHAIN)
 
         for name in ("F.dropout", "torch_pallas.dropout", "torch_pallas.dropout (old path)",
-                     "key draw (torch.randint)", "torch.rand", "torch_pallas.random.uniform", "torch_pallas.random.uniform (old path)"):
+                     "key draw (torch.randint)", "torch.rand", "torch_pallas.random.uniform",
+                     "torch_pallas.random.uniform (old path)"):
             median, minimum = per_call(name)
             peer = peers.get(name)
             peer_median = per_call(peer)[0] if peer else None
