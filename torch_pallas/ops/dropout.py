@@ -1,8 +1,8 @@
 """``torch_pallas::dropout``: mask from key data, applied in a Pallas kernel; the backward
 kernel regenerates the mask from the same 8-byte key instead of saving it.
 
-:func:`apply` is the differentiable entry point: the op's autograd formula in the form
-``torch.func`` accepts, plus forward-mode AD and a batching rule."""
+:func:`apply` is the differentiable entry point (built by :func:`._autograd.differentiable`
+from the op's one autograd formula, with forward-mode AD and a batching rule)."""
 
 from __future__ import annotations
 
