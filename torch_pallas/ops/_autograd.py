@@ -68,7 +68,7 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
     op's own batching rule if it registered one, else torch's per-sample loop.
     """
     op.register_autograd(backward, setup_context=setup_context)
-    eager_backward = staticmethod(backward if jvp is not None else once_differentiable(backward))
+    function_backward = staticmethod(backward if jvp is not None else once_differentiable(backward))
     name = public_name.rsplit(".", 1)[-1]
 
     def _jvp(ctx, *tangents):
@@ -78,7 +78,7 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
 
     # Its forward is the op, whose batching rule vmap needs; setup_context is torch.func's form.
     TorchFunc = type(f"{name}_function", (torch.autograd.Function,), dict(
-        forward=staticmethod(op), setup_context=staticmethod(setup_context), backward=eager_backward,
+        forward=staticmethod(op), setup_context=staticmethod(setup_context), backward=function_backward,
         jvp=staticmethod(jvp or _jvp), generate_vmap_rule=True))
 
     def eager_forward(ctx, *args):
@@ -91,7 +91,7 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
     # torch's C entry point: Function.apply's Python adds only functorch's handling, and
     # calls under torch.func or with its wrapped tensors do not come here.
     Eager = type(f"{name}_eager", (torch.autograd.Function,), dict(
-        forward=staticmethod(eager_forward), backward=eager_backward))
+        forward=staticmethod(eager_forward), backward=function_backward))
     apply_eager = super(torch.autograd.Function, Eager).apply
 
     def apply(*args):
