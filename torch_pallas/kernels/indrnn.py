@@ -449,8 +449,9 @@ def indrnn_backward(
       weight: recurrent weight, shape ``(F,)``.
       h0: initial state, shape ``(B, F)``.
       lengths, nonlinearity, interpret, blocks: as for ``indrnn_forward``; use the same
-        ``lengths`` and ``nonlinearity`` as the forward pass. Any valid blocks give the
-        same result.
+        ``lengths`` and ``nonlinearity`` as the forward pass. Any valid time, batch and
+        feature blocks give the same result; another ``unroll`` may change the last bits
+        (float32 rounding: bench/results/interpret_choices.md, § Time-loop unroll).
 
     Returns:
       ``(grad_x, grad_weight, grad_h0)`` with shapes ``(T, B, F)``, ``(F,)``,
