@@ -13,6 +13,15 @@ def check_one_of(name: str, value, accepted: tuple):
     return value
 
 
+def check_positive_int(value, name: str) -> int:
+    """``value`` as an int: TypeError for a non-int (bool included), ValueError below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
 def check_probability(p, name: str = "p") -> float:
     """A real number in [0, 1] (NaN rejected), as a float."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
+
+from torch_pallas.kernels.arguments import check_positive_int
 
 # One vreg of 32-bit values: (sublanes, lanes). Blocks are multiples of it.
 TILE = (8, 128)
@@ -55,13 +56,7 @@ _INTERPRET_UNROLL = 1
 
 def _check_positive_ints(blocks, names) -> None:
     for name in names:
-        value = getattr(blocks, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{type(blocks).__name__}.{name} must be a positive int, got {type(value).__name__} "
-                            f"{value!r}")
-        if value < 1:
-            raise ValueError(f"{type(blocks).__name__}.{name} must be a positive int, got {value!r}")
-        object.__setattr__(blocks, name, int(value))
+        object.__setattr__(blocks, name, check_positive_int(getattr(blocks, name), f"{type(blocks).__name__}.{name}"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from torch_pallas import _checks, sharding
 from torch_pallas.functional import _dropout, _indrnn
+from torch_pallas.kernels.arguments import check_positive_int
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
 
@@ -25,15 +26,6 @@ class _RNNInputError(ValueError, RuntimeError):
 class _RNNDtypeError(TypeError, _RNNInputError):
     """An input or ``hx`` of the wrong dtype: a TypeError like every dtype error of
     torch_pallas, and the ValueError (input) or RuntimeError (``hx``) nn.RNN raises."""
-
-
-def _check_positive_int(value, name: str) -> int:
-    """As nn.RNN: TypeError for a non-int, ValueError for one below 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 class IndRNN(torch.nn.Module):
@@ -123,9 +115,9 @@ class IndRNN(torch.nn.Module):
         if kernel_spec is not None and batch_first:
             kernel_spec = (kernel_spec[1], kernel_spec[0], kernel_spec[2])
         self._sharding = sharding.resolve(None, mesh, kernel_spec)
-        self.input_size = _check_positive_int(input_size, "input_size")
-        self.hidden_size = _check_positive_int(hidden_size, "hidden_size")
-        self.num_layers = _check_positive_int(num_layers, "num_layers")
+        self.input_size = check_positive_int(input_size, "input_size")
+        self.hidden_size = check_positive_int(hidden_size, "hidden_size")
+        self.num_layers = check_positive_int(num_layers, "num_layers")
         check_nonlinearity(nonlinearity)
         self.dropout = _checks.check_probability(dropout, "dropout")
         if self.dropout > 0 and self.num_layers == 1:
