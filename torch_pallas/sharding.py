@@ -183,12 +183,10 @@ def resolve(tensor: Optional[torch.Tensor] = None, mesh=None, partition_spec=Non
         TypeError: a ``mesh`` that is not an ``xs.Mesh``, a ``partition_spec`` that is not a tuple.
         ValueError: one of ``mesh`` and ``partition_spec`` without the other, or SPMD mode off.
     """
-    if mesh is None and partition_spec is None:
-        if tensor is None or torch.compiler.is_compiling():
-            return None
-        return Sharding.of(tensor)
     if torch.compiler.is_compiling():
         return None
+    if mesh is None and partition_spec is None:
+        return None if tensor is None else Sharding.of(tensor)
     if mesh is None or partition_spec is None:
         raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
     if not xr.is_spmd():
