@@ -40,9 +40,12 @@ def default_device() -> torch.device:
     return torch.device("jax")
 
 
+_TORCHAX_TENSORS = (torchax_tensor.Tensor, torchax_tensor.View)
+
+
 def _environment(tensors) -> torchax_tensor.Environment:
     for tensor in tensors:
-        if isinstance(tensor, torchax_tensor.Tensor):
+        if isinstance(tensor, _TORCHAX_TENSORS):
             return tensor._env
     return torchax.default_env()
 
@@ -173,8 +176,8 @@ def register_op(op, compute, formula) -> None:
     def run(mode, func, types, args, kwargs):
         args = (*args, *defaults[len(args):])  # as torch gives the autograd formula: every argument
         with mode:  # torch pops a mode while it handles an op; compute's torch calls need it
-            if formula is None:
-                return compute(*args, **kwargs)
+            if formula is None or not any(isinstance(arg, _TORCHAX_TENSORS) for arg in args):
+                return compute(*args, **kwargs)  # CPU tensors in torchax's environment: theirs
             return _run_differentiable(compute, formula, _environment(args), args)
 
     op.register_torch_dispatch(torchax_tensor.XLADispatchMode, run)
