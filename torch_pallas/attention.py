@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from torch_pallas import _checks, seeds, sharding
+from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.ops import attention as attention_op
 
 __all__ = ["scaled_dot_product_attention"]
@@ -103,8 +103,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"scaled_dot_product_attention: {error}") from None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     # Without dropout no key is drawn: the kernels take one, which they then do not read.
-    key_data = (seeds.draw(seed, generator, query.device) if dropout_p > 0
-                else seeds.key_data_from_seed(0, query.device))
+    key_data = (seeds.draw(seed, generator, bridge.device_of(query)) if dropout_p > 0
+                else seeds.key_data_from_seed(0, bridge.device_of(query)))
     if math.prod(out_shape) == 0 or key.shape[-2] == 0:
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)

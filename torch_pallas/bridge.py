@@ -99,6 +99,17 @@ def on_tpu() -> bool:
     return default_front_end().platform_is_tpu()
 
 
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """``tensor``'s device; for a tensor ``torch.func`` wraps, the device of the tensor inside
+    (a wrapper reports the C++ device of what it wraps: a torchax tensor's is ``meta``).
+    Dynamo cannot trace functorch's bindings, and traces no wrapped tensor."""
+    if torch.compiler.is_compiling():
+        return tensor.device
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor.device
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether torch_pallas's ops run on tensors of ``device``: an XLA device (torch_xla), a
     torchax ``jax`` device, or the CPU."""
@@ -129,8 +140,9 @@ _MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "dlpack": "'cpu'"
 def check_device(tensor: torch.Tensor, name: str) -> None:
     """Raises ValueError unless torch_pallas runs on ``tensor``'s device (:func:`runs_on`),
     naming the fix."""
-    if not runs_on(tensor.device):
-        raise ValueError(f"{name} is on {tensor.device}, but torch_pallas ops run on {_DEVICES_HERE}: "
+    device = device_of(tensor)
+    if not runs_on(device):
+        raise ValueError(f"{name} is on {device}, but torch_pallas ops run on {_DEVICES_HERE}: "
                          f"move it with {name}.to({_MOVE_HINT})")
 
 

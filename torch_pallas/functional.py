@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, seeds, sharding
+from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.ops import dropout as dropout_op, indrnn as indrnn_op
 
@@ -99,7 +99,7 @@ def _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_d
         output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
     else:
         layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
-        output = dropout_op.apply(x, seeds.draw(seed, generator, x.device), p, impl, shared_over_first_dim, None,
+        output = dropout_op.apply(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim, None,
                                   None, layout)
     return x.copy_(output) if inplace else output
 
@@ -151,7 +151,7 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
         return x * 0 + residual
     found = sharding.resolve(x)
     layout = None if found is None else found.check(x.shape, "x", impl)
-    return dropout_op.apply_add(x, residual, seeds.draw(seed, generator, x.device), p, impl, layout)
+    return dropout_op.apply_add(x, residual, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, layout)
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):
@@ -183,7 +183,7 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
     if p == 1.0:
         output = x * 0
     else:
-        scale = dropout_op.apply(x.new_ones(channels), seeds.draw(seed, generator, x.device), p, impl, False, None,
+        scale = dropout_op.apply(x.new_ones(channels), seeds.draw(seed, generator, bridge.device_of(x)), p, impl, False, None,
                                  None, None)
         output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
     return x.copy_(output) if inplace else output

@@ -174,14 +174,11 @@ def register_op(op, compute, formula) -> None:
     defaults = [argument.default_value for argument in op._opoverload._schema.arguments]
 
     def run(mode, func, types, args, kwargs):
-        if not any(isinstance(value, (torchax_tensor.Tensor, torchax_tensor.View)) for value in args):
-            # CPU tensors inside torchax's environment (the mode sees every op there): their
-            # own kernel (DLPack's front end), as torchax runs aten ops on CPU tensors
-            return func(*args, **kwargs)
         args = (*args, *defaults[len(args):])  # as torch gives the autograd formula: every argument
         with mode:  # torch pops a mode while it handles an op; compute's torch calls need it
             if formula is None or not any(isinstance(arg, _TORCHAX_TENSORS) for arg in args):
-                return compute(*args, **kwargs)  # CPU tensors in torchax's environment: theirs
+                # the mode sees every op in torchax's environment, CPU tensors' too: theirs is compute
+                return compute(*args, **kwargs)
             return _run_differentiable(compute, formula, _environment(args), args)
 
     op.register_torch_dispatch(torchax_tensor.XLADispatchMode, run)
