@@ -95,6 +95,11 @@ class route_dropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# A front end that takes SDPA at torch-function level (torchax's function mode, entered again
+# inside every step its helpers build) lets the innermost route_dropout see it first.
+bridge.defer_function_to_mode(F.scaled_dot_product_attention, route_dropout)
+
+
 def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
     """Why an SDPA call stays torch's (``None``: it is routed). Calls torch would reject go
     to torch, which raises its own error."""
