@@ -309,6 +309,7 @@ def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, n
     outputs keep that sharding, with no all-gather."""
     sharding, mesh, names = _mesh(sharding_text)
     arrays = [_array(tensor) for tensor in tensors]
+    in_dims = in_dims[:len(tensors)]  # an op lists the dims of operands it may leave out (indrnn's lengths)
     static = dict(static, interpret=not bridge.lowers_for_tpu())
     if noise_shape is not None:
         offsets = sharding.shard_offset_words(noise_shape, static.get("shared_over_first_dim", False))
