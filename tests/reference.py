@@ -3,6 +3,7 @@
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax._src import prng as jax_prng
 from jax._src.interpreters import mlir
 
 from torch_pallas.kernels import prng
@@ -35,8 +36,6 @@ def jax_random_part(draw, key, part) -> np.ndarray:
     lets XLA fuse the slice into the draw. Raises AssertionError if XLA would still allocate
     more than a MiB.
     """
-    from jax._src import prng as jax_prng  # jax 0.7 only (0.10 moved threefry): imported where used
-
     cpu_rules = mlir._platform_specific_lowerings["cpu"]
     rolled = cpu_rules[jax_prng.threefry2x32_p]
     mlir.register_lowering(jax_prng.threefry2x32_p, jax_prng._threefry2x32_lowering_rule, platform="cpu")
