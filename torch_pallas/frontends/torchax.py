@@ -41,9 +41,12 @@ def default_device() -> torch.device:
     return torch.device("jax")
 
 
+_TORCHAX_TENSORS = (torchax_tensor.Tensor, torchax_tensor.View)
+
+
 def _environment(tensors) -> torchax_tensor.Environment:
     for tensor in tensors:
-        if isinstance(tensor, torchax_tensor.Tensor):
+        if isinstance(tensor, _TORCHAX_TENSORS):
             return tensor._env
     return torchax.default_env()
 
@@ -172,10 +175,14 @@ def register_op(op, compute, formula) -> None:
     defaults = [argument.default_value for argument in op._opoverload._schema.arguments]
 
     def run(mode, func, types, args, kwargs):
+        if not any(isinstance(value, (torchax_tensor.Tensor, torchax_tensor.View)) for value in args):
+            # CPU tensors inside torchax's environment (the mode sees every op there): their
+            # own kernel (DLPack's front end), as torchax runs aten ops on CPU tensors
+            return func(*args, **kwargs)
         args = (*args, *defaults[len(args):])  # as torch gives the autograd formula: every argument
         with mode:  # torch pops a mode while it handles an op; compute's torch calls need it
-            if formula is None:
-                return compute(*args, **kwargs)
+            if formula is None or not any(isinstance(arg, _TORCHAX_TENSORS) for arg in args):
+                return compute(*args, **kwargs)  # CPU tensors in torchax's environment: theirs
             return _run_differentiable(compute, formula, _environment(args), args)
 
     op.register_torch_dispatch(torchax_tensor.XLADispatchMode, run)
