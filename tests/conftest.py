@@ -32,7 +32,7 @@ NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
 
 # tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
 # its own (which sets TORCH_PALLAS_HLO_DUMP); tests/torchax/spmd likewise.
-collect_ignore = [] if os.environ.get("TORCH_PALLAS_HLO_DUMP") else ["spmd"]
+collect_ignore = [] if os.environ.get("TORCH_PALLAS_HLO_DUMP") else ["spmd", "torchax/spmd"]
 collect_ignore_glob = []
 if STACK != "xla":
     collect_ignore += ["spmd"]

@@ -55,6 +55,8 @@ def front_end(device_type: str):
         module = _loaded[device_type] = importlib.import_module(f"torch_pallas.frontends.{name}")
         for registration in _OPS:
             _register_in(module, *registration)
+        for func, mode_type in _DEFERRED_FUNCTIONS:
+            _defer_in(module, func, mode_type)
     return module
 
 
@@ -78,6 +80,28 @@ def register_op(op, compute, formula=None) -> None:
     _OPS.append((op, compute, formula))
     for module in set(_loaded.values()):
         _register_in(module, op, compute, formula)
+
+
+# (torch function, TorchFunctionMode subclass): calls a front end's own torch-function-level
+# rule would take before the mode sees them, offered to an active mode of that type first.
+_DEFERRED_FUNCTIONS: list = []
+
+
+def _defer_in(module, func, mode_type) -> None:
+    defer = getattr(module, "defer_function_to_mode", None)
+    if defer is not None:
+        defer(func, mode_type)
+
+
+def defer_function_to_mode(func, mode_type) -> None:
+    """Tells every front end, loaded now or later, that a call of the torch function ``func``
+    goes to the innermost active ``mode_type`` (a ``TorchFunctionMode``) when one is active,
+    even if the front end's own function mode (torchax's, entered later, so above it on
+    torch's mode stack) would take it first; what the mode hands back to ``func`` runs the
+    front end's own rule."""
+    _DEFERRED_FUNCTIONS.append((func, mode_type))
+    for module in set(_loaded.values()):
+        _defer_in(module, func, mode_type)
 
 
 def default_front_end():

@@ -44,10 +44,12 @@ class route_dropout(TorchFunctionMode):
     that are not floating point, go to torch unchanged. Keys come from the RNG of the
     input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
     :func:`torch_pallas.checkpoint`).
-    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA tensors of a dtype it
-    takes runs as :func:`torch_pallas.scaled_dot_product_attention` (flash kernels, the
-    mask from a key; transformers models' default ``sdpa`` attention); other calls with
-    ``dropout_p > 0`` stay torch's and warn once per call site.
+    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA or torchax tensors of a
+    dtype it takes runs as :func:`torch_pallas.scaled_dot_product_attention` (flash kernels,
+    the mask from a key; transformers models' default ``sdpa`` attention); other calls with
+    ``dropout_p > 0`` stay torch's and warn once per call site. On torchax, whose own
+    function mode takes SDPA whole, this holds whether torchax's environment is entered
+    inside this mode or outside it (:func:`torch_pallas.bridge.defer_function_to_mode`).
 
     Args:
         impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
@@ -93,6 +95,11 @@ class route_dropout(TorchFunctionMode):
                     # No state kept here, so that dynamo has nothing to guard on and recompile for.
                     _checks.warn(_SDPA_WARNING.format(reason=refusal), stacklevel=2)
         return func(*args, **kwargs)
+
+
+# A front end that takes SDPA at torch-function level (torchax's function mode, entered again
+# inside every step its helpers build) lets the innermost route_dropout see it first.
+bridge.defer_function_to_mode(F.scaled_dot_product_attention, route_dropout)
 
 
 def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:

@@ -14,6 +14,7 @@ reach the same backward kernels. Sharded arrays run their kernels per shard unde
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Sequence
 
 import jax
@@ -184,6 +185,53 @@ def register_op(op, compute, formula) -> None:
     op.register_torch_dispatch(torchax_tensor.XLADispatchMode, run)
 
 
+_deferring = threading.local()
+
+
+def _innermost_mode(mode_type):
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, mode_type):
+            return mode
+    return None
+
+
+def defer_function_to_mode(func, mode_type) -> None:
+    """Makes torchax's own rule for the torch function ``func`` offer each call to the
+    innermost active ``mode_type`` first (:func:`torch_pallas.bridge.defer_function_to_mode`).
+
+    torchax takes some torch functions whole at torch-function level
+    (``F.scaled_dot_product_attention``: its reference attention) in its function mode, which
+    ``with env:`` pushes onto torch's mode stack each time it is entered (every op it runs,
+    every training step torchax's helpers build): a mode entered before it, as
+    ``route_dropout`` around a step, would never see those calls. The rule stays torchax's
+    (an entry of the default environment's op table), so calls outside the mode, and those
+    the mode hands back to ``func``, run as before."""
+    env = torchax.default_env()
+    original = env._get_op_or_decomp(func)
+    if original.is_jax_function:
+        raise NotImplementedError(f"torchax's rule for {func} is a JAX function; only torch-level rules defer")
+
+    def run_original(*args, **kwargs):
+        if original.needs_env:
+            kwargs = dict(kwargs, env=env)
+        return original.func(*args, **kwargs)
+
+    def rule(*args, **kwargs):
+        mode = _innermost_mode(mode_type)
+        if mode is None or getattr(_deferring, "active", False):
+            return run_original(*args, **kwargs)
+        _deferring.active = True  # the mode's own fallback, func(...), comes back here
+        try:
+            # torchax runs a rule with its function mode popped (it is handling this call): the
+            # mode's torch calls (tensor constructors on the jax device) need it again.
+            with env:
+                return mode.__torch_function__(func, (), args, kwargs)
+        finally:
+            _deferring.active = False
+
+    env.override_op_definition(func, rule, is_view_op=original.is_view_op)
+
+
 def check_use_reentrant(use_reentrant) -> None:
     """Either form is torch's."""
 
@@ -265,6 +313,7 @@ def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, n
     outputs keep that sharding, with no all-gather."""
     sharding, mesh, names = _mesh(sharding_text)
     arrays = [_array(tensor) for tensor in tensors]
+    in_dims = in_dims[:len(tensors)]  # an op lists the dims of operands it may leave out (indrnn's lengths)
     static = dict(static, interpret=not bridge.lowers_for_tpu())
     if noise_shape is not None:
         offsets = sharding.shard_offset_words(noise_shape, static.get("shared_over_first_dim", False))

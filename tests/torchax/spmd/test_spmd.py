@@ -1,0 +1,195 @@
+"""torchax tensors whose arrays are sharded over a JAX mesh of 4 CPU devices; run by
+tests/torchax/test_sharding.py in a process of its own (XLA's host device count is fixed when
+JAX starts), with XLA dumping every compiled module so the tests can read the partitioned HLO.
+
+Each op on a sharded array runs its kernel per shard under jax.shard_map: the result equals
+the unsharded call's bit for bit (the noise of each element's index in the whole tensor),
+keeps the input's sharding, and nothing gathers the activations."""
+
+import glob
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torchax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import torch_pallas
+
+ENV = torchax.default_env()
+DUMP = os.environ["TORCH_PALLAS_HLO_DUMP"]
+MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
+
+assert jax.device_count() == 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
+
+
+def mesh_of(name):
+    return Mesh(np.array(jax.devices()).reshape(MESHES[name]), ("data", "model"))
+
+
+def on_jax(tensor, mesh=None, spec=None):
+    """A torchax tensor of ``tensor``'s values, its array sharded as ``spec`` says over ``mesh``."""
+    with ENV:
+        moved = tensor.to("jax")
+    if mesh is None:
+        return moved
+    return torchax.tensor.Tensor(jax.device_put(moved._elem, NamedSharding(mesh, PartitionSpec(*spec))), ENV)
+
+
+def array(tensor):
+    return tensor.detach()._elem
+
+
+def same_sharding(tensor, like):
+    return array(tensor).sharding.is_equivalent_to(array(like).sharding, array(like).ndim)
+
+
+def bits(tensor):
+    return np.asarray(array(tensor)).view(np.uint8)
+
+
+def compiled_modules(run):
+    """The partitioned, optimised HLO of every module XLA compiles while ``run()`` runs (JAX's
+    caches cleared first, so every kernel and op compiles anew)."""
+    jax.clear_caches()
+    pattern = os.path.join(DUMP, "*after_optimizations.txt")
+    before = set(glob.glob(pattern))
+    run()
+    return [open(path).read() for path in sorted(set(glob.glob(pattern)) - before)]
+
+
+def all_gather_sizes(modules):
+    """Element counts of every all-gather's result in ``modules``."""
+    sizes = []
+    for text in modules:
+        for dims in re.findall(r"\[([\d,]*)\]\{[\d,]*\} all-gather\(", text):
+            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
+
+
+def runs_per_shard(modules, shard):
+    """Whether a module partitioned over the 4 devices takes an operand of the ``shard`` shape:
+    shard_map's per-device program of a kernel (its parameters are each device's shard)."""
+    shape = f"[{','.join(map(str, shard))}]"
+    return any("num_partitions=4" in text and shape in text.split("\n", 1)[0] for text in modules)
+
+
+DROPOUT_CASES = [("4x1", (16, 512), ("data", None)), ("2x2", (16, 512), ("data", "model")),
+                 ("1x4", (8, 4, 256), (None, None, "model")), ("2x2", (8, 4, 256), ("data", None, "model"))]
+
+
+@pytest.mark.parametrize("mesh,shape,spec", DROPOUT_CASES, ids=[f"{m}-{'x'.join(map(str, s))}-{p}"
+                                                               for m, s, p in DROPOUT_CASES])
+def test_dropout_mask_and_gradient_are_the_unsharded_ones_without_all_gather(mesh, shape, spec):
+    values = torch.rand(shape) + 0.5
+    with ENV:
+        expected = torch_pallas.dropout(on_jax(values), 0.4, seed=7)
+    x = on_jax(values, mesh_of(mesh), spec).requires_grad_()
+    results = []
+
+    def run():
+        with ENV:
+            y = torch_pallas.dropout(x, 0.4, seed=7)
+            y.backward(torch.ones(shape, device="jax"))
+        results.extend([y, x.grad])
+
+    modules = compiled_modules(run)
+    y, grad = results
+    assert same_sharding(y, x) and same_sharding(grad, x)
+    assert np.array_equal(bits(y), bits(expected))
+    np.testing.assert_array_equal(np.asarray(array(grad)), (np.asarray(array(expected)) != 0) / np.float32(0.6))
+    shard = [size // tiles for size, tiles in zip(shape, [MESHES[mesh][("data", "model").index(axis)] if axis else 1
+                                                            for axis in spec])]
+    assert runs_per_shard(modules, shard) and all_gather_sizes(modules) == []
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "normal", "bernoulli"])
+def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution):
+    sample = getattr(torch_pallas.random, distribution)
+    mesh, spec = mesh_of("2x2"), ("data", "model")
+    with ENV:
+        expected = sample((16, 512), seed=11, device="jax")
+        out = sample((16, 512), seed=11, mesh=mesh, partition_spec=spec)
+    assert array(out).sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*spec)), 2)
+    assert np.array_equal(bits(out), bits(expected))
+
+
+ATTENTION_CASES = [("4x1", ("data", None, None, None), False), ("1x4", (None, "model", None, None), False),
+                   ("2x2", ("data", "model", None, None), True)]
+
+
+@pytest.mark.parametrize("mesh,spec,gqa", ATTENTION_CASES, ids=[f"{m}-{s}-{g}" for m, s, g in ATTENTION_CASES])
+def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh, spec, gqa):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 8, 32, 16, generator=generator)
+    key, value = (torch.randn(4, 4 if gqa else 8, 48, 16, generator=generator) for _ in range(2))
+    mask = torch.rand(4, 1, 32, 48, generator=generator) > 0.2
+    options = dict(dropout_p=0.3, seed=5, enable_gqa=gqa)
+
+    def attend(tensors, mask):
+        with ENV:
+            out = torch_pallas.scaled_dot_product_attention(*tensors, attn_mask=mask, **options)
+            grads = torch.autograd.grad(out.square().sum(), tensors)
+        return out, grads
+
+    expected_out, expected_grads = attend([on_jax(t).requires_grad_() for t in (query, key, value)], on_jax(mask))
+    parts = [on_jax(t, mesh_of(mesh), spec).requires_grad_() for t in (query, key, value)]
+    sharded_mask = on_jax(mask, mesh_of(mesh), (spec[0], None, None, None))
+    results = []
+    modules = compiled_modules(lambda: results.extend(attend(parts, sharded_mask)))
+    out, grads = results
+    assert same_sharding(out, parts[0]) and all(same_sharding(g, p) for g, p in zip(grads, parts))
+    assert runs_per_shard(modules, [4 // MESHES[mesh][0] if spec[0] else 4, 8 // MESHES[mesh][1] if spec[1] else 8,
+                                    32, 16]) and all_gather_sizes(modules) == []
+    assert np.array_equal(bits(out), bits(expected_out))
+    for grad, expected in zip(grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(array(grad)), np.asarray(array(expected)), atol=1e-6, rtol=1e-6)
+
+
+INDRNN_CASES = [("4x1", (None, "data", None)), ("2x2", (None, "data", "model"))]
+
+
+@pytest.mark.parametrize("mesh,spec", INDRNN_CASES, ids=[f"{m}-{s}" for m, s in INDRNN_CASES])
+def test_indrnn_sharded_equals_unsharded(mesh, spec):
+    T, B, F = 12, 8, 256
+    generator = torch.Generator().manual_seed(0)
+    x, h0 = torch.randn(T, B, F, generator=generator), torch.randn(B, F, generator=generator)
+    weight = torch.rand(F, generator=generator) * 1.8 - 0.9
+
+    def run(x):
+        x.requires_grad_()
+        w, h = on_jax(weight).requires_grad_(), on_jax(h0).requires_grad_()
+        with ENV:
+            output, h_n = torch_pallas.indrnn(x, w, h, nonlinearity="tanh")
+            (output.square().sum() + h_n.sum()).backward()
+        return output, h_n, x.grad, w.grad, h.grad
+
+    expected = run(on_jax(x))
+    x_sharded = on_jax(x, mesh_of(mesh), spec)
+    got = []
+    modules = compiled_modules(lambda: got.extend(run(x_sharded)))
+    output, _, grad_x, grad_w, _ = got
+    assert same_sharding(output, x_sharded) and same_sharding(grad_x, x_sharded)
+    assert runs_per_shard(modules, [T, B // 4 if mesh == "4x1" else B // 2, F if mesh == "4x1" else F // 2])
+    # Only the weight gradient's rows (one per batch shard) are gathered, never activations.
+    assert all(size <= 4 * F for size in all_gather_sizes(modules)), all_gather_sizes(modules)
+    assert np.array_equal(bits(output), bits(expected[0])) and np.array_equal(bits(grad_x), bits(expected[2]))
+    for name, a, b in zip(("output", "h_n", "grad x", "grad weight", "grad h0"), got, expected):
+        b = np.asarray(array(b))
+        np.testing.assert_allclose(np.asarray(array(a)), b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()),
+                                   err_msg=name)
+
+
+def test_errors_name_what_is_not_supported():
+    mesh = mesh_of("2x2")
+    with ENV:
+        with pytest.raises(ValueError, match="one entry per dim"):
+            torch_pallas.random.uniform((16, 512), mesh=mesh, partition_spec=("data",))
+        with pytest.raises(ValueError, match="split along time"):
+            torch_pallas.indrnn(on_jax(torch.randn(8, 4, 256), mesh, ("data", None, None)), on_jax(torch.ones(256)))
+        with pytest.raises(ValueError, match="split along its length or head dim"):
+            query = on_jax(torch.randn(2, 2, 32, 16), mesh_of("1x4"), (None, None, "model", None))
+            torch_pallas.scaled_dot_product_attention(query, query, query)

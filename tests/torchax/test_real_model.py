@@ -1,0 +1,56 @@
+"""examples/train_torchax.py: a transformers GPT-2 (sdpa attention, dropout 0.1) trained on
+torchax under one jax.jit-compiled step with every dropout from torch_pallas."""
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+import torch
+import torchax
+from torchax import interop
+
+import torch_pallas
+from torch_pallas import bridge
+from torch_pallas.kernels import attention as attention_kernels, dropout as dropout_kernels
+
+pytest.importorskip("transformers", reason="the test extra installs transformers")
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+import train_torchax  # noqa: E402
+
+ENV = torchax.default_env()
+
+
+def test_compiled_training_learns_and_traces_once():
+    """README: the loss falls in 4 steps; new key data each step does not retrace."""
+    losses, compiled = train_torchax.train(steps=4)
+    assert compiled._cache_size() == 1
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def step_jaxpr(route, monkeypatch):
+    """The training step's jaxpr, and the kernels torch_pallas traced into it."""
+    torch.manual_seed(0)
+    model = train_torchax.make_model().train()
+    with ENV:
+        model.to("jax")
+        ids = interop.jax_view(next(train_torchax.batches(torch.Generator().manual_seed(0))).to("jax"))
+        key_data = interop.jax_view(torch_pallas.seeds.key_data(seed=1))
+    init, update = train_torchax.adam(1e-3)
+    step, params, buffers = train_torchax.make_train_step(model, update, route=route)
+    kernels, call = [], bridge.call
+    monkeypatch.setattr(bridge, "call", lambda f, *t, **s: kernels.append(f) or call(f, *t, **s))
+    return str(jax.make_jaxpr(step)(params, buffers, init(params), ids, key_data)), kernels
+
+
+def test_every_dropout_and_the_attention_run_in_torch_pallas_kernels(monkeypatch):
+    layers = train_torchax.make_model().config.n_layer
+    torchs, none = step_jaxpr(False, monkeypatch)
+    assert "random_bits" in torchs and none == []  # torchax's dropout draws with jax.random
+    ours, kernels = step_jaxpr(True, monkeypatch)
+    assert "random_bits" not in ours  # no dropout of torch's (torchax's) left
+    # Flash attention forward and backward per layer (not torchax's reference attention); the
+    # embedding's and each layer's two residual dropouts, forward and backward.
+    assert kernels.count(attention_kernels.attention_forward) == layers
+    assert kernels.count(attention_kernels.attention_backward) == layers
+    assert kernels.count(dropout_kernels.dropout) == 2 * (1 + 2 * layers), kernels
