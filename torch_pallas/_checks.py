@@ -20,6 +20,12 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DROPOUT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
+class TorchRuntimeError(RuntimeError, ValueError):
+    """Bad input that torch rejects with a ``RuntimeError`` (its message is torch's): both that
+    (code written against torch's exception catches ours) and a ``ValueError`` (the project's
+    type for bad input)."""
+
+
 def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
     """An int or a sequence of non-negative ints (torch.Size included), as a tuple."""
     if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):

@@ -160,20 +160,27 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
     name = f"dropout{spatial_dims}d"
     _checks.check_tensor(x, "x")
     p, impl = _checks.noise_arguments(p, impl, seed, generator)
+    ranks = f"{spatial_dims + 1}D or {spatial_dims + 2}D"
+    # torch's words, which end every message and warning about ranks
+    note = (f"Note that {name} exists to provide channel-wise dropout on inputs with {spatial_dims} spatial "
+            f"dimension{'s' if spatial_dims > 1 else ''}, a channel dimension, and an optional batch dimension "
+            f"(i.e. {ranks} inputs).")
+    if name == "dropout1d" and x.dim() not in (2, 3):
+        raise _checks.TorchRuntimeError(f"dropout1d: Expected {ranks} input, but received a {x.dim()}D input. {note}")
     if x.dim() < 2:
         raise ValueError(f"{name} needs an input with a channel dimension (at least 2-D), got shape "
                          f"{tuple(x.shape)}")
-    if name == "dropout1d" and x.dim() not in (2, 3):
-        raise ValueError(f"dropout1d expects a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
     if x.dim() not in (spatial_dims + 1, spatial_dims + 2):
         # torch warns (and goes on) in the same words
         _checks.warn(f"{name}: Received a {x.dim()}-D input to {name}, which is deprecated and will result "
                      f"in an error in a future release. To retain the behavior and silence this warning, "
-                     f"please use dropout instead.", stacklevel=3)
+                     f"please use dropout instead. {note}", stacklevel=3)
     if name == "dropout2d" and x.dim() == 3:
         _checks.warn("dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D dropout "
                      "behavior is desired - input is interpreted as shape (N, C, L), where C is the channel "
-                     "dim. Use dropout1d to keep this behavior.", stacklevel=3)
+                     "dim. This behavior will change in a future release to interpret the input as one without "
+                     "a batch dimension, i.e. shape (C, H, W). To maintain the 1D channel-wise dropout behavior, "
+                     "please switch to using dropout1d instead.", stacklevel=3)
     if not training or p == 0.0:
         return x
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
@@ -232,7 +239,8 @@ def dropout3d(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: b
 
 dropout1d.__doc__ = _FEATURE_DROPOUT_DOC.format(
     name="dropout1d", batched="(N, C, L)", unbatched="(C, L)", extra="",
-    raises=", or one that is not 2-D or 3-D")
+    raises="; for one that is not 2-D or 3-D, torch's RuntimeError (\"dropout1d: Expected 2D or 3D input, but "
+           "received a 4D input. ...\"), raised as an exception that is both a RuntimeError and a ValueError")
 dropout2d.__doc__ = _FEATURE_DROPOUT_DOC.format(
     name="dropout2d", batched="(N, C, H, W)", unbatched="(C, H, W)",
     extra=" As torch's, a 3-D input is taken as a batched ``(N, C, L)`` (with torch's warning), and "

@@ -41,7 +41,9 @@ class route_dropout(TorchFunctionMode):
     A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
     ``torch.compile(backend="openxla")`` (dynamo traces the mode), entered around the
     compiled call or inside the compiled function. Calls on other devices, or on tensors
-    that are not floating point, go to torch unchanged. Keys come from the RNG of the
+    that are not floating point, go to torch unchanged, and so do ``F.alpha_dropout`` and
+    ``F.feature_alpha_dropout`` (``nn.AlphaDropout``, ``nn.FeatureAlphaDropout``): they keep a
+    SELU network's mean and variance, which ordinary dropout would not. Keys come from the RNG of the
     input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
     :func:`torch_pallas.checkpoint`).
     ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA or torchax tensors of a

@@ -32,7 +32,10 @@ def _dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, share
         return torch.empty_like(x)
     if x.dtype == torch.float64:
         # Mosaic has no float64: the kernel draws the mask a float32 tensor gets from this key.
-        keep = _dropout(torch.ones(x.shape, device=x.device), key_data, p, impl, shared_over_first_dim, blocks,
+        # ones_like, not torch.ones(device=...): torchax's dispatch mode makes a factory call's
+        # tensor a torchax one, even for a CPU x
+        ones = torch.ones_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+        keep = _dropout(ones, key_data, p, impl, shared_over_first_dim, blocks,
                         backward_blocks, sharding) != 0
         return torch.where(keep, x / (1 - p), x * 0)
     options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
@@ -41,7 +44,21 @@ def _dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, share
         dims = tuple(range(x.dim()))
         return sharding_.call(dropout_kernels.dropout, sharding, [key_data, x], [(None,), dims], [dims],
                               noise_shape=x.shape, **options)
-    return bridge.call(dropout_kernels.dropout, key_data, x, **options)
+    return _in_layout_of(x, bridge.call(dropout_kernels.dropout, key_data, x, **options))
+
+
+def _in_layout_of(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``output`` (contiguous) in ``x``'s layout where strides are real (CPU tensors), as torch's
+    dropout gives (``empty_like(x)``: a permuted or channels_last ``x`` keeps its dim order);
+    XLA and torchax tensors are always contiguous."""
+    if x.device.type != "cpu" or x.is_contiguous():
+        return output
+    return torch.empty_like(x).copy_(output)
+
+
+def _empty_in_layout_of(x: torch.Tensor) -> torch.Tensor:
+    """What :func:`_in_layout_of` returns, unfilled: the fake functions' output."""
+    return torch.empty_like(x) if x.device.type == "cpu" else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 dropout = torch.library.custom_op("torch_pallas::dropout", _dropout, mutates_args=())
@@ -49,7 +66,7 @@ dropout = torch.library.custom_op("torch_pallas::dropout", _dropout, mutates_arg
 
 @dropout.register_fake
 def _(x, key_data, *options):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _empty_in_layout_of(x)
 
 
 def _setup_context(ctx, inputs, output):
