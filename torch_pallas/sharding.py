@@ -131,6 +131,13 @@ class Sharding:
         return words.astype(np.uint32).view(np.int32)
 
 
+def with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
+    """``kernel`` on one shard, as a front end runs it per device: the offsets (the front end
+    splits :meth:`Sharding.shard_offset_words` over the mesh) arrive as each device's own
+    (1, ..., 1, 2) words."""
+    return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(2), **static)
+
+
 def _front_end_of_mesh(mesh):
     front_end = bridge.default_front_end()
     if not getattr(front_end, "is_mesh", lambda mesh: False)(mesh):

@@ -26,7 +26,7 @@ import torchax
 from torchax import tensor as torchax_tensor
 
 from torch_pallas import bridge
-from torch_pallas.sharding import Sharding
+from torch_pallas.sharding import Sharding, with_shard_offset
 
 DEVICE_TYPE = "jax"
 MESH_TYPE_NAME = "jax.sharding.Mesh"
@@ -249,11 +249,14 @@ def _sharding_of_jax(sharding: jax.sharding.Sharding, rank: int) -> Sharding | N
     hlo = sharding._to_xla_hlo_sharding(rank)
     if hlo.is_replicated():
         return None
+    if not hlo.is_tiled():
+        raise ValueError(f"torch_pallas runs on arrays that are tiled over a mesh or replicated; this array's "
+                         f"sharding is {hlo}")
     dims = tuple(hlo.tile_assignment_dimensions())
     replicas = dims[-1] if hlo.replicate_on_last_tile_dim() else 1
     tiles = dims[:-1] if hlo.replicate_on_last_tile_dim() else dims
-    if len(tiles) != rank or all(size == 1 for size in tiles):
-        return None if all(size == 1 for size in tiles) else Sharding.parse(str(hlo), rank)
+    if all(size == 1 for size in tiles):
+        return None
     return Sharding(tuple(tiles), tuple(int(i) for i in hlo.tile_assignment_devices()), replicas)
 
 
@@ -289,11 +292,6 @@ def _spec(names, dims) -> jax.sharding.PartitionSpec:
     return jax.sharding.PartitionSpec(*[None if d is None else names[d] for d in dims])
 
 
-def _with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
-    """``kernel`` on one shard: the offsets array arrives as each device's own (1, ..., 1, 2) words."""
-    return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(2), **static)
-
-
 @functools.lru_cache(maxsize=None)
 def _per_shard(jax_function, sharding_text: str, in_dims: tuple, out_dims: tuple, noise: bool, static: tuple):
     _, mesh, names = _mesh(sharding_text)
@@ -301,7 +299,7 @@ def _per_shard(jax_function, sharding_text: str, in_dims: tuple, out_dims: tuple
     function = functools.partial(jax_function, **dict(static))
     if noise:
         in_specs = [in_specs[0], jax.sharding.PartitionSpec(*names, None), *in_specs[1:]]
-        function = functools.partial(_with_shard_offset, kernel=function)
+        function = functools.partial(with_shard_offset, kernel=function)
     out_specs = tuple(_spec(names, dims) for dims in out_dims)
     return jax.jit(jax.shard_map(function, mesh=mesh, in_specs=tuple(in_specs),
                                  out_specs=out_specs[0] if len(out_specs) == 1 else out_specs, check_vma=False))

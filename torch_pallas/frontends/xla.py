@@ -31,7 +31,7 @@ from jax._src import config as _jax_config  # noqa: E402
 from jax._src import xla_bridge as _jax_xla_bridge  # noqa: E402
 
 from torch_pallas import bridge  # noqa: E402
-from torch_pallas.sharding import Sharding  # noqa: E402
+from torch_pallas.sharding import Sharding, with_shard_offset  # noqa: E402
 
 DEVICE_TYPE = "xla"
 
@@ -217,11 +217,6 @@ def _enter(tensor: torch.Tensor, dims: tuple, sharding_text: str) -> torch.Tenso
     return xs.enable_manual_sharding(tensor, dims, mesh=_parsed(sharding_text)[1]).global_tensor
 
 
-def _with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
-    """``kernel`` on one shard: the offsets tensor arrives as each device's own (1, ..., 1, 2) words."""
-    return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(2), **static)
-
-
 def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, noise_shape, static: dict):
     """:func:`torch_pallas.sharding.call` on XLA tensors: each device's shards in manual
     sharding mode, the outputs put back together with no all-gather."""
@@ -235,7 +230,7 @@ def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, n
         offsets = _enter(offsets, (*range(len(sharding.mesh_shape)), None), sharding_text)
         local = [key_data, offsets, *rest]
         static = dict(static, kernel=jax_function, global_shape=tuple(noise_shape))
-        jax_function = _with_shard_offset
+        jax_function = with_shard_offset
     outputs = call(jax_function, local, static)
     single = isinstance(outputs, torch.Tensor)
     outputs = (outputs,) if single else tuple(outputs)
