@@ -2,6 +2,7 @@
 
 import numpy as np
 import jax
+import torch
 import jax.numpy as jnp
 try:
     from jax._src import prng as jax_prng
@@ -118,3 +119,17 @@ def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
             for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
     rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, tile, d) for d in (0, 1))
     return prng.threefry_bits(*seed, rows * np.uint32(tile[1]) + cols)
+
+
+def random_case(shape, weight_range=(0.0, 1.0), seed=0):
+    """An IndRNN case in float64: x (T, B, F), weight (F,) in ``weight_range``, h0 (B, F), and
+    incoming gradients of the output and of h_n."""
+    T, B, F = shape
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
+    low, high = weight_range
+    weight = low + (high - low) * torch.rand(F, generator=generator, dtype=torch.float64)
+    h0 = torch.randn(B, F, generator=generator, dtype=torch.float64)
+    grad_output = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
+    grad_h_n = torch.randn(B, F, generator=generator, dtype=torch.float64)
+    return x, weight, h0, grad_output, grad_h_n

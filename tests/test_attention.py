@@ -9,6 +9,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 import torch_pallas
+from attention_cases import CASES
 from kernel_calls import record_dropout_keys
 
 DEVICE = torch_xla.device()
@@ -25,23 +26,10 @@ def gradients(output, tensors, seed=1):
     return torch.autograd.grad((output * weights).sum(), tensors)
 
 
-def fully_masked_row_mask():
-    mask = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(2)) > 0.3
-    mask[:, :, 5] = False  # nothing to attend to: zeros, as torch's
-    return mask.to(DEVICE)
-
-
-CASES = {
-    "causal-L-ne-S": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8)), dict(is_causal=True)),
-    "bool-mask": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16)), dict(attn_mask=fully_masked_row_mask)),
-    "gqa-scale": (((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 16)), dict(enable_gqa=True, scale=0.2)),
-}
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_output_and_gradients_equal_torch(case):
     shapes, options = CASES[case]
-    options = {name: value() if callable(value) else value for name, value in options.items()}
+    options = {name: value().to(DEVICE) if callable(value) else value for name, value in options.items()}
     tensors = operands(*shapes)
     ours = torch_pallas.scaled_dot_product_attention(*tensors, **options)
     torchs = F.scaled_dot_product_attention(*tensors, **options)

@@ -6,24 +6,12 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_pallas
-from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths
+from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths, random_case
 
 
 def relative_error(got, expected):
     expected = torch.as_tensor(expected).double()
     return ((got.detach().double().cpu() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def random_case(shape, weight_range=(0.0, 1.0), seed=0):
-    T, B, F = shape
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
-    low, high = weight_range
-    weight = low + (high - low) * torch.rand(F, generator=generator, dtype=torch.float64)
-    h0 = torch.randn(B, F, generator=generator, dtype=torch.float64)
-    grad_output = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
-    grad_h_n = torch.randn(B, F, generator=generator, dtype=torch.float64)
-    return x, weight, h0, grad_output, grad_h_n
 
 
 def check_against_reference(x, weight, h0, grad_output, grad_h_n, nonlinearity, batch_first=False, device=None):

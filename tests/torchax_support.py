@@ -31,6 +31,14 @@ def numpy(tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
+def square_weight(features: int) -> torch.nn.Parameter:
+    """A (features, features) weight for ``x @ weight``: test models use it instead of
+    nn.Linear, whose F.linear torchax 0.0.13 runs above torch's autograd (eager backward
+    through it records nothing)."""
+    return torch.nn.Parameter(torch.randn(features, features, generator=torch.Generator().manual_seed(0))
+                              / features ** 0.5)
+
+
 @pytest.fixture
 def in_env():
     """Runs the test inside torchax's environment, as torchax code runs."""

@@ -2,9 +2,7 @@
 (SPMD mode is process-wide), with XLA dumping every compiled module so the tests can read the
 partitioned HLO."""
 
-import glob
 import os
-import re
 
 import numpy as np
 import pytest
@@ -16,9 +14,10 @@ import torch_xla.runtime as xr
 xr.use_spmd()
 
 import torch_pallas  # noqa: E402
+from attention_cases import sharded_case  # noqa: E402
+from hlo_dump import all_gather_sizes, compiled_modules  # noqa: E402
 
 DEVICE = torch_xla.device()
-DUMP = os.environ["TORCH_PALLAS_HLO_DUMP"]
 MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
 
 
@@ -34,23 +33,6 @@ def sharded(tensor, mesh, spec):
 
 def spec_of(tensor):
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
-
-
-def compiled_modules(run):
-    """The partitioned, optimised HLO of every module XLA compiles while ``run()`` runs."""
-    pattern = os.path.join(DUMP, "*after_optimizations.txt")
-    before = set(glob.glob(pattern))
-    run()
-    return [open(path).read() for path in sorted(set(glob.glob(pattern)) - before)]
-
-
-def all_gather_sizes(modules):
-    """Element counts of every all-gather's result in ``modules``."""
-    sizes = []
-    for text in modules:
-        for dims in re.findall(r"\[([\d,]*)\]\{[\d,]*\} all-gather\(", text):
-            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-    return sizes
 
 
 # Partition specs of a 2-D and a 3-D tensor over each mesh: every dim, both dims, replicated dims.
@@ -283,11 +265,7 @@ ATTENTION_CASES = [("4x1", ("data", None, None, None), False), ("1x4", (None, "m
 def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh, spec, gqa):
     """README, SPMD: attention split over batch and heads runs per shard; output and gradients
     equal the unsharded call's (the same mask), keep the sharding, and nothing is gathered."""
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(4, 8, 32, 16, generator=generator)
-    key, value = (torch.randn(4, 4 if gqa else 8, 48, 16, generator=generator) for _ in range(2))
-    mask = torch.rand(4, 1, 32, 48, generator=generator) > 0.2
-    options = dict(dropout_p=0.3, seed=5, enable_gqa=gqa)
+    query, key, value, mask, options = sharded_case(gqa)
 
     def attend(tensors, mask):
         out = torch_pallas.scaled_dot_product_attention(*tensors, attn_mask=mask, **options)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torchax
 
 import torch_pallas
+from attention_cases import CASES
 from kernel_calls import record_dropout_keys
 
 ENV = torchax.default_env()
@@ -35,19 +36,6 @@ def operands(query_shape, key_shape, value_shape, seed=0):
 
 def weights_for(output, seed=1):
     return torch.randn(output.shape, generator=torch.Generator().manual_seed(seed))
-
-
-def fully_masked_row_mask():
-    mask = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(2)) > 0.3
-    mask[:, :, 5] = False  # nothing to attend to: zeros, as torch's
-    return mask
-
-
-CASES = {
-    "causal-L-ne-S": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8)), dict(is_causal=True)),
-    "bool-mask": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16)), dict(attn_mask=fully_masked_row_mask)),
-    "gqa-scale": (((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 16)), dict(enable_gqa=True, scale=0.2)),
-}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -13,7 +13,7 @@ from torchax.interop import jax_view, torch_view
 
 import torch_pallas
 from reference import SEEDS, jax_key
-from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive  # noqa: F401  (in_env: fixture)
+from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive, square_weight  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")
 
@@ -26,8 +26,7 @@ class Block(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(FEATURES, FEATURES, generator=torch.Generator().manual_seed(0))
-                                         / FEATURES ** 0.5)
+        self.weight = square_weight(FEATURES)
         self.dropout = torch.nn.Dropout(0.5)
 
     def forward(self, x):

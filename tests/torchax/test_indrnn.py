@@ -11,7 +11,7 @@ import torch
 import torchax
 
 import torch_pallas
-from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths
+from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths, random_case
 
 ENV = torchax.default_env()
 
@@ -23,17 +23,6 @@ def values(tensor):
 def relative_error(got, expected):
     got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
     return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
-def random_case(shape, weight_range=(0.0, 1.0), seed=0):
-    T, B, F = shape
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
-    low, high = weight_range
-    weight = low + (high - low) * torch.rand(F, generator=generator, dtype=torch.float64)
-    h0 = torch.randn(B, F, generator=generator, dtype=torch.float64)
-    return x, weight, h0, torch.randn(T, B, F, generator=generator, dtype=torch.float64), torch.randn(
-        B, F, generator=generator, dtype=torch.float64)
 
 
 def on_jax(tensor):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch_pallas
 from reference import SEEDS, jax_key
 from torch_pallas import seeds
-from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive  # noqa: F401  (in_env: fixture)
+from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive, square_weight  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")
 
@@ -23,8 +23,7 @@ class Block(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(FEATURES, FEATURES, generator=torch.Generator().manual_seed(0))
-                                         / FEATURES ** 0.5)
+        self.weight = square_weight(FEATURES)
         self.dropout = torch.nn.Dropout(0.5)
 
     def forward(self, x):

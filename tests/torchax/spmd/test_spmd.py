@@ -6,10 +6,6 @@ Each op on a sharded array runs its kernel per shard under jax.shard_map: the re
 the unsharded call's bit for bit (the noise of each element's index in the whole tensor),
 keeps the input's sharding, and nothing gathers the activations."""
 
-import glob
-import os
-import re
-
 import jax
 import numpy as np
 import pytest
@@ -17,10 +13,11 @@ import torch
 import torchax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import hlo_dump
 import torch_pallas
+from attention_cases import sharded_case
 
 ENV = torchax.default_env()
-DUMP = os.environ["TORCH_PALLAS_HLO_DUMP"]
 MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
 
 assert jax.device_count() == 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
@@ -52,22 +49,10 @@ def bits(tensor):
 
 
 def compiled_modules(run):
-    """The partitioned, optimised HLO of every module XLA compiles while ``run()`` runs (JAX's
-    caches cleared first, so every kernel and op compiles anew)."""
+    """:func:`hlo_dump.compiled_modules` with JAX's caches cleared first, so every kernel and op
+    compiles anew."""
     jax.clear_caches()
-    pattern = os.path.join(DUMP, "*after_optimizations.txt")
-    before = set(glob.glob(pattern))
-    run()
-    return [open(path).read() for path in sorted(set(glob.glob(pattern)) - before)]
-
-
-def all_gather_sizes(modules):
-    """Element counts of every all-gather's result in ``modules``."""
-    sizes = []
-    for text in modules:
-        for dims in re.findall(r"\[([\d,]*)\]\{[\d,]*\} all-gather\(", text):
-            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-    return sizes
+    return hlo_dump.compiled_modules(run)
 
 
 def runs_per_shard(modules, shard):
@@ -103,7 +88,7 @@ def test_dropout_mask_and_gradient_are_the_unsharded_ones_without_all_gather(mes
     np.testing.assert_array_equal(np.asarray(array(grad)), (np.asarray(array(expected)) != 0) / np.float32(0.6))
     shard = [size // tiles for size, tiles in zip(shape, [MESHES[mesh][("data", "model").index(axis)] if axis else 1
                                                             for axis in spec])]
-    assert runs_per_shard(modules, shard) and all_gather_sizes(modules) == []
+    assert runs_per_shard(modules, shard) and hlo_dump.all_gather_sizes(modules) == []
 
 
 @pytest.mark.parametrize("distribution", ["uniform", "normal", "bernoulli"])
@@ -123,11 +108,7 @@ ATTENTION_CASES = [("4x1", ("data", None, None, None), False), ("1x4", (None, "m
 
 @pytest.mark.parametrize("mesh,spec,gqa", ATTENTION_CASES, ids=[f"{m}-{s}-{g}" for m, s, g in ATTENTION_CASES])
 def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh, spec, gqa):
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(4, 8, 32, 16, generator=generator)
-    key, value = (torch.randn(4, 4 if gqa else 8, 48, 16, generator=generator) for _ in range(2))
-    mask = torch.rand(4, 1, 32, 48, generator=generator) > 0.2
-    options = dict(dropout_p=0.3, seed=5, enable_gqa=gqa)
+    query, key, value, mask, options = sharded_case(gqa)
 
     def attend(tensors, mask):
         with ENV:
@@ -143,7 +124,7 @@ def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh
     out, grads = results
     assert same_sharding(out, parts[0]) and all(same_sharding(g, p) for g, p in zip(grads, parts))
     assert runs_per_shard(modules, [4 // MESHES[mesh][0] if spec[0] else 4, 8 // MESHES[mesh][1] if spec[1] else 8,
-                                    32, 16]) and all_gather_sizes(modules) == []
+                                    32, 16]) and hlo_dump.all_gather_sizes(modules) == []
     assert np.array_equal(bits(out), bits(expected_out))
     for grad, expected in zip(grads, expected_grads):
         np.testing.assert_allclose(np.asarray(array(grad)), np.asarray(array(expected)), atol=1e-6, rtol=1e-6)
@@ -175,7 +156,7 @@ def test_indrnn_sharded_equals_unsharded(mesh, spec):
     assert same_sharding(output, x_sharded) and same_sharding(grad_x, x_sharded)
     assert runs_per_shard(modules, [T, B // 4 if mesh == "4x1" else B // 2, F if mesh == "4x1" else F // 2])
     # Only the weight gradient's rows (one per batch shard) are gathered, never activations.
-    assert all(size <= 4 * F for size in all_gather_sizes(modules)), all_gather_sizes(modules)
+    assert all(size <= 4 * F for size in hlo_dump.all_gather_sizes(modules)), hlo_dump.all_gather_sizes(modules)
     assert np.array_equal(bits(output), bits(expected[0])) and np.array_equal(bits(grad_x), bits(expected[2]))
     for name, a, b in zip(("output", "h_n", "grad x", "grad weight", "grad h0"), got, expected):
         b = np.asarray(array(b))
