@@ -3,7 +3,10 @@
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax._src import prng as jax_prng
+try:
+    from jax._src.random import threefry2x32 as jax_prng  # jax 0.10: threefry's primitive moved here
+except ImportError:
+    from jax._src import prng as jax_prng
 from jax._src.interpreters import mlir
 
 from torch_pallas.kernels import prng
