@@ -40,6 +40,7 @@ import torch_xla.core.xla_builder as xb
 
 import torch_pallas
 from torch_pallas import bridge, seeds
+from torch_pallas.frontends import xla as xla_front_end
 from torch_pallas.ops import _autograd
 from bench_indrnn import SCAN_GRADIENTS, scan
 from common import markdown_table, wait_for_xla, write
@@ -59,12 +60,12 @@ def old_path(enabled: bool = True):
     if not enabled:
         yield
         return
-    new_call, bridge._call_in_graph = bridge._call_in_graph, _old_call_in_graph
+    new_call, xla_front_end.call = xla_front_end.call, _old_call_in_graph
     new_choice, _autograd._through_op = _autograd._through_op, lambda args: True
     try:
         yield
     finally:
-        bridge._call_in_graph, _autograd._through_op = new_call, new_choice
+        xla_front_end.call, _autograd._through_op = new_call, new_choice
 
 
 def host_round_robin(contenders: dict, *, warmup: int, rounds: int) -> dict:

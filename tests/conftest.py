@@ -1,5 +1,11 @@
-"""Suite-wide set-up: the XLA device (CPU unless PJRT_DEVICE says otherwise) and TPU gating."""
+"""Suite-wide set-up: the stack (torch_xla's or torchax's: whichever this environment has), its
+device (CPU unless PJRT_DEVICE says otherwise) and TPU gating.
 
+``tests/kernels`` (pure JAX) runs on both stacks; the other ``tests/test_*.py`` test the
+torch_xla stack and ``tests/torchax`` the torchax stack; each stack's run skips the other's.
+"""
+
+import importlib.util
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -7,12 +13,17 @@ if os.environ["PJRT_DEVICE"] != "TPU":
     # Off TPU, libtpu is only the compiler of the TPU-compile tier: let a second process
     # (a parallel run, a subprocess test) load it too instead of failing on its lock file.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if importlib.util.find_spec("torch_xla") is None:
+        # torchax's JAX would otherwise try libtpu's TPU backend first (torch_xla's CPU
+        # client keeps JAX on the CPU itself: torch_pallas.frontends.xla).
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
 import torch_pallas  # noqa: E402,F401  (torch_xla's client before JAX)
 from torch_pallas import bridge, tpu_compile  # noqa: E402
 
+STACK = bridge.STACK
 ON_TPU = bridge.on_tpu()
 
 NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
@@ -20,8 +31,14 @@ NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
     "libtpu==0.0.21, the version torch_xla[tpu] pins"))
 
 # tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
-# its own (which sets TORCH_PALLAS_HLO_DUMP).
+# its own (which sets TORCH_PALLAS_HLO_DUMP); tests/torchax/spmd likewise.
 collect_ignore = [] if os.environ.get("TORCH_PALLAS_HLO_DUMP") else ["spmd"]
+collect_ignore_glob = []
+if STACK != "xla":
+    collect_ignore += ["spmd"]
+    collect_ignore_glob += ["test_*.py"]
+if STACK != "torchax":
+    collect_ignore += ["torchax"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,4 +53,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return f"torch_pallas: PJRT_DEVICE={os.environ['PJRT_DEVICE']}, Pallas interpret mode: {bridge.interpret_mode()}"
+    return (f"torch_pallas: the {STACK} stack, PJRT_DEVICE={os.environ['PJRT_DEVICE']}, "
+            f"Pallas interpret mode: {bridge.interpret_mode()}")

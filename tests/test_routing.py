@@ -102,7 +102,7 @@ def test_attention_with_dropout_is_routed_and_the_rest_stays_torchs(monkeypatch)
             out = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), dropout_p=0.1)
         assert bernoullis(out) == 1
         cpu = q.cpu()
-        with pytest.warns(UserWarning, match="not on an XLA device"):
+        with pytest.warns(UserWarning, match="not on an accelerator device"):
             F.scaled_dot_product_attention(cpu, cpu, cpu, dropout_p=0.1)
     with torch_pallas.route_dropout(attention="all"):
         torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, scale=0.5),

@@ -1,7 +1,8 @@
-"""torch_pallas: JAX Pallas kernels as differentiable PyTorch ops on XLA devices.
+"""torch_pallas: JAX Pallas kernels as differentiable PyTorch ops, on torch_xla's XLA tensors,
+torchax's tensors and plain CPU tensors.
 
-Import order matters on TPU: :mod:`torch_pallas.bridge` (torch_xla's PJRT client) is
-imported before anything that imports JAX.
+Import order matters on TPU: :mod:`torch_pallas.bridge` (which on the torch_xla stack starts
+torch_xla's PJRT client) is imported before anything that imports JAX.
 """
 
 from torch_pallas import bridge  # noqa: F401  (first: see above)

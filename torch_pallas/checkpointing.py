@@ -8,7 +8,6 @@ import inspect
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
-import torch_xla.utils.checkpoint as xla_checkpoint
 
 from torch_pallas import bridge, seeds
 from torch_pallas.routing import route_dropout
@@ -16,21 +15,16 @@ from torch_pallas.routing import route_dropout
 __all__ = ["checkpoint", "enable"]
 
 
-def _device_of(args) -> torch.device | None:
+def _device_of(args) -> torch.device:
     """Where the region's key is drawn: the first tensor argument's device (a CPU region's key
-    on the CPU), or the default XLA device."""
-    return next((arg.device for arg in args if isinstance(arg, torch.Tensor) and bridge.runs_on(arg.device)), None)
+    on the CPU), or the stack's default device."""
+    return next((arg.device for arg in args if isinstance(arg, torch.Tensor) and bridge.runs_on(arg.device)),
+                None) or bridge.device_or_default()
 
 
 def _active_routing() -> route_dropout | None:
     modes = [mode for mode in _get_current_function_mode_stack() if isinstance(mode, route_dropout)]
     return modes[-1] if modes else None
-
-
-def _check_use_reentrant(use_reentrant) -> None:
-    if use_reentrant is False:
-        raise ValueError("use_reentrant=False is not available on XLA (torch_xla 2.9 checkpoints "
-                         "reentrantly only): pass use_reentrant=True or leave it out")
 
 
 # Dynamo would compile this frame and guard on ``function``'s identity: Hugging Face passes
@@ -78,8 +72,8 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
     """
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
-    _check_use_reentrant(use_reentrant)
-    key_data = seeds.key_data(device=_device_of(args))
+    device = _device_of(args)
+    key_data = seeds.key_data(device=device)
     routing = _active_routing()
 
     def region(key_data, *args):
@@ -89,7 +83,8 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
         with seeds.key_scope(key_data), reentered:
             return function(*args, **kwargs)
 
-    return xla_checkpoint.checkpoint(region, key_data, *args, preserve_rng_state=preserve_rng_state)
+    return bridge.front_end(device.type).checkpoint(region, key_data, *args, use_reentrant=use_reentrant,
+                                                     preserve_rng_state=preserve_rng_state)
 
 
 def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
@@ -144,7 +139,7 @@ def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
         # keeps the model's own torch.utils.checkpoint, the function that fails on XLA
         raise ValueError(f"{type(model).__name__} overrides _set_gradient_checkpointing(module, value), the format "
                          "of transformers < 4.35, which takes no checkpoint function: update its modeling code")
-    _check_use_reentrant(use_reentrant)
+    bridge.default_front_end().check_use_reentrant(use_reentrant)
     setter(enable=True, gradient_checkpointing_func=functools.partial(
         checkpoint, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
     if getattr(model, "_hf_peft_config_loaded", False):

@@ -99,8 +99,9 @@ def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale
     """Why an SDPA call stays torch's (``None``: it is routed). Calls torch would reject go
     to torch, which raises its own error."""
     tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type != "xla":
-        return "its tensors are not on an XLA device"
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type == "cpu" or not bridge.runs_on(
+            query.device):
+        return "its tensors are not on an accelerator device (XLA, torchax)"
     if query.dtype not in _checks.FLOAT_DTYPES:
         return f"torch_pallas's attention takes float32, bfloat16 and float16, not {query.dtype}"
     if any(t.dtype != query.dtype or t.device != query.device for t in tensors[1:]):

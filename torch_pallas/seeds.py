@@ -70,8 +70,8 @@ def check_source(seed=None, generator=None) -> None:
         check_generator(generator)
 
 
-def _random_words(generator=None, device=None) -> torch.Tensor:
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
+def _random_words(generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator)
 
 
 class _KeyScope:
@@ -123,9 +123,12 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
     * neither: inside a :func:`key_scope`, the scope's next derived key (moved to
       ``device``); otherwise two words drawn on ``device`` from its RNG: on an XLA device
       the XLA RNG (which ``torch_xla.manual_seed`` seeds), with no host sync and no new
-      graph per call; on the CPU torch's default generator (``torch.manual_seed``).
+      graph per call; on torchax's ``jax`` device torchax's own RNG (as its dropout draws
+      its keys: seeded from ``torch.manual_seed`` when torchax's environment starts, or by
+      ``env.manual_seed``); on the CPU torch's default generator (``torch.manual_seed``).
 
-    ``device``: an XLA device or the CPU; default ``torch_xla.device()``.
+    ``device``: an XLA device, torchax's ``jax`` device or the CPU; default the stack's
+    device (``torch_xla.device()``, ``jax``).
 
     Raises:
         ValueError: both ``seed`` and ``generator`` given, a seed out of range, a
@@ -142,7 +145,7 @@ def draw(seed, generator, device: torch.device) -> torch.Tensor:
     if seed is not None:
         return key_data_from_seed(seed, device)
     if generator is not None:
-        return _random_words(generator=generator).to(device)
+        return _random_words(generator).to(device)
     if _key_scopes:
         return _key_scopes[-1].next_key().to(device)
-    return _random_words(device=device)
+    return bridge.front_end(device.type).draw_key_words(device)

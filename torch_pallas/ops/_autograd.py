@@ -23,6 +23,8 @@ import torch
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
+from torch_pallas import bridge
+
 # Types whose calls run the computation directly: what eager XLA and CPU tensors are.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -48,6 +50,8 @@ def _through_op(args) -> bool:
 def direct(op, compute):
     """The call of an op without autograd (a backward op, a sampler): ``compute(*args)`` on
     plain tensors in eager mode, else ``op(*args)``."""
+    bridge.register_op(op, compute)
+
     def apply(*args):
         if _under_torch_func() or _through_op(args):
             return op(*args)
@@ -68,6 +72,7 @@ def differentiable(op, compute, *, public_name: str, setup_context, backward, jv
     op's own batching rule if it registered one, else torch's per-sample loop.
     """
     op.register_autograd(backward, setup_context=setup_context)
+    bridge.register_op(op, compute, (setup_context, backward))
     function_backward = staticmethod(backward if jvp is not None else once_differentiable(backward))
     name = public_name.rsplit(".", 1)[-1]
 

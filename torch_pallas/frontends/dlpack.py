@@ -1,0 +1,54 @@
+"""The CPU front end: plain CPU tensors, handed to JAX on the CPU through DLPack (no copy),
+where the kernels run jitted in interpret mode (Mosaic kernels run only on TPUs, and these
+kernels use TPU memory spaces that Pallas's GPU lowering does not have), and back."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+
+from torch_pallas import bridge
+
+DEVICE_TYPE = "cpu"
+
+# torch's CPU allocator aligns every buffer to 64 bytes, as jaxlib wants a buffer it shares.
+_DLPACK_ALIGNMENT = 64
+
+
+def platform_is_tpu() -> bool:
+    return False
+
+
+def default_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def draw_key_words(device: torch.device) -> torch.Tensor:
+    """Two int32 words from torch's default generator (``torch.manual_seed``)."""
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, device=device)
+
+
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a buffer JAX can share: detached (DLPack exports no tensor that requires
+    grad; autograd is above this layer), contiguous, and aligned (a view at an offset, such
+    as one sample's key under vmap, is copied here rather than by jaxlib, which logs it)."""
+    tensor = tensor.detach().contiguous()
+    return tensor.clone() if tensor.data_ptr() % _DLPACK_ALIGNMENT else tensor
+
+
+def call(jax_function, tensors, static: dict):
+    import jax
+
+    arrays = [jax.dlpack.from_dlpack(_shareable(tensor)) for tensor in tensors]
+    outputs = bridge.jitted(jax_function, tuple(sorted(static.items())), True)(*arrays)
+    return jax.tree.map(torch.from_dlpack, outputs)
+
+
+def check_use_reentrant(use_reentrant) -> None:
+    """Either form is torch's."""
+
+
+def checkpoint(region, *args, use_reentrant, preserve_rng_state):
+    """torch's own checkpoint (reentrant unless told otherwise, as torch_xla's)."""
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=use_reentrant is not False,
+                                             preserve_rng_state=preserve_rng_state)
