@@ -76,7 +76,7 @@ def __getattr__(name):
     if name == "GENERATIONS":
         return _generations()
     if name in ("lowering_for_tpu", "LOWER_FOR_TPU_VARIABLE"):
-        from torch_pallas import bridge  # torch_xla's: re-exported for compile_graph's users
+        from torch_pallas import bridge  # imports torch: re-exported for compile_graph's users
 
         return getattr(bridge, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
