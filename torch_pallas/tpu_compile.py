@@ -72,7 +72,7 @@ def _generations() -> dict[str, str]:
 
 
 def __getattr__(name):
-    # Lazy: the first use asks libtpu (and loads it); importing this module does not.
+    # Lazy: the first use asks libtpu for its topologies; importing this module does not.
     if name == "GENERATIONS":
         return _generations()
     if name in ("lowering_for_tpu", "LOWER_FOR_TPU_VARIABLE"):
