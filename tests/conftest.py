@@ -28,7 +28,7 @@ ON_TPU = bridge.on_tpu()
 
 NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
     "libtpu (the TPU compiler) is not installed: ./dev test, or pip install -e '.[test]', installs "
-    "libtpu==0.0.21, the version torch_xla[tpu] pins"))
+    "the libtpu its constraints pin (0.0.21 beside torch_xla 2.9, 0.0.52 beside jax 0.10)"))
 
 # tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
 # its own (which sets TORCH_PALLAS_HLO_DUMP); tests/torchax/spmd likewise.

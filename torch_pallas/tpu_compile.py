@@ -4,8 +4,10 @@ libtpu's compile-only client (``jax.experimental.topologies``) gives TPU devices
 topology, and ``jax.jit(f).lower(...).compile()`` on them runs XLA's TPU compiler and
 Mosaic's own passes: what a TPU would reject (unsupported types, layouts, VMEM overflow)
 fails here too. ``jax.export`` stops before those passes and passed kernels that libtpu
-rejects. Needs the ``libtpu`` package (``pip install torch-pallas[test]``); importing
-:mod:`torch_pallas` pins the Mosaic IR version libtpu accepts (see :mod:`torch_pallas.bridge`).
+rejects. Needs the ``libtpu`` package (``pip install torch-pallas[test]``); :data:`GENERATIONS` are
+the generations it knows. Importing the kernels pins the Mosaic IR version where the JAX
+version needs it (:mod:`torch_pallas.kernels.compat`). Importing this module imports neither
+torch nor torch_xla (:func:`compile_graph` and :func:`lowering_for_tpu` are torch_xla's).
 
 Example::
 
@@ -36,11 +38,11 @@ from typing import Sequence
 
 import jax
 
-from torch_pallas.bridge import LOWER_FOR_TPU_VARIABLE, lowering_for_tpu  # noqa: F401  (re-exported)
+from torch_pallas.kernels import compat
 
-# One topology name per generation: the smallest each accepts ("v5e:1x1" is refused, and
-# libtpu 0.0.21 does not know v7x).
-GENERATIONS = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+# Each generation's smallest topology libtpu accepts ("v5e:1x1" is refused; TPU7x is
+# "tpu7x", not "v7x"), oldest first. GENERATIONS keeps those the installed libtpu knows.
+_TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "tpu7x": "tpu7x:2x2x1"}
 
 
 def available() -> bool:
@@ -48,14 +50,54 @@ def available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-@functools.cache
-def tpu_device(generation: str):
-    """One compile-only TPU device of ``generation`` (a key of :data:`GENERATIONS`)."""
+def _topology(name: str):
     from jax.experimental import topologies
 
-    if generation not in GENERATIONS:
-        raise ValueError(f"generation must be one of {', '.join(map(repr, GENERATIONS))}, got {generation!r}")
-    return topologies.get_topology_desc(topology_name=GENERATIONS[generation], platform="tpu").devices[0]
+    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+
+
+@functools.cache
+def _generations() -> dict[str, str]:
+    """Asks libtpu which generations it knows (libtpu 0.0.21: v4 to v6e; 0.0.52: TPU7x too)."""
+    if importlib.util.find_spec("libtpu") is None:
+        return {}
+    known = {}
+    for generation, topology in _TOPOLOGIES.items():
+        try:
+            _topology(topology)
+        except Exception:  # libtpu: INVALID_ARGUMENT "Invalid TPU external name"
+            continue
+        known[generation] = topology
+    return known
+
+
+def __getattr__(name):
+    # Lazy: the first use asks libtpu for its topologies; importing this module does not.
+    if name == "GENERATIONS":
+        return _generations()
+    if name in ("lowering_for_tpu", "LOWER_FOR_TPU_VARIABLE"):
+        from torch_pallas import bridge  # imports torch: re-exported for compile_graph's users
+
+        return getattr(bridge, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_generation(generation: str) -> str:
+    generations = _generations()
+    if generation not in generations:
+        raise ValueError(f"generation must be one of {', '.join(map(repr, generations))} (the TPU generations "
+                         f"the installed libtpu compiles for), got {generation!r}")
+    return generations[generation]
+
+
+@functools.cache
+def _devices(generation: str) -> tuple:
+    return tuple(_topology(_check_generation(generation)).devices)
+
+
+def tpu_device(generation: str):
+    """One compile-only TPU device of ``generation`` (a key of :data:`GENERATIONS`)."""
+    return _devices(generation)[0]
 
 
 def compile_for_tpu(function, *args: jax.ShapeDtypeStruct, generation: str):
@@ -67,16 +109,18 @@ def compile_for_tpu(function, *args: jax.ShapeDtypeStruct, generation: str):
         jax.errors.JaxRuntimeError: what libtpu's compiler rejects, with its message
             (for example ``RESOURCE_EXHAUSTED ... Exceeded vmem capacity``).
     """
-    sharding = jax.sharding.SingleDeviceSharding(tpu_device(generation))
+    device = tpu_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
     on_tpu = [jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=sharding) for arg in args]
-    return jax.jit(function).lower(*on_tpu).compile()
+    with compat.lowering_for_device(device):
+        return jax.jit(function).lower(*on_tpu).compile()
 
 
 def compile_sharded_for_tpu(function, in_specs, out_specs, *args: jax.ShapeDtypeStruct, generation: str):
-    """Compiles ``function`` as it runs on sharded tensors: under ``shard_map`` over the 4
-    chips of ``generation``'s 2x2 topology (mesh axes ``("data", "model")``), each chip
-    running ``function`` on its shards of ``args`` (global shapes, split as ``in_specs``
-    say). The same per-shard program torch_xla runs under manual sharding.
+    """Compiles ``function`` as it runs on sharded tensors: under ``shard_map`` over 4 devices
+    of ``generation``'s smallest topology (mesh axes ``("data", "model")``), each running
+    ``function`` on its shards of ``args`` (global shapes, split as ``in_specs`` say). The
+    same per-shard program torch_xla runs under manual sharding.
 
     Raises:
         ValueError, jax.errors.JaxRuntimeError: as :func:`compile_for_tpu`.
@@ -84,14 +128,13 @@ def compile_sharded_for_tpu(function, in_specs, out_specs, *args: jax.ShapeDtype
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
-    tpu_device(generation)  # checks the name
-    from jax.experimental import topologies
-    devices = topologies.get_topology_desc(topology_name=GENERATIONS[generation], platform="tpu").devices
+    devices = _devices(generation)
     mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
     on_tpu = [jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=NamedSharding(mesh, spec))
               for arg, spec in zip(args, in_specs)]
     per_shard = jax.shard_map(function, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
-    return jax.jit(per_shard).lower(*on_tpu).compile()
+    with compat.lowering_for_device(devices[0]):
+        return jax.jit(per_shard).lower(*on_tpu).compile()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +197,8 @@ def compile_graph(tensors: Sequence, generation: str) -> GraphCompilation:
     from jax._src import compiler
     from jax._src.lib import xla_client
 
-    if generation not in GENERATIONS:
-        raise ValueError(f"generation must be one of {', '.join(map(repr, GENERATIONS))}, got {generation!r}")
+    if generation not in _TOPOLOGIES:
+        raise ValueError(f"generation must be one of {', '.join(map(repr, _TOPOLOGIES))}, got {generation!r}")
     tensors = list(tensors)
     if not tensors or any(getattr(t, "device", None) is None or t.device.type != "xla" for t in tensors):
         raise ValueError("tensors must be a non-empty sequence of XLA tensors (on torch_xla.device())")

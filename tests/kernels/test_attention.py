@@ -10,6 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src import config as jax_config
 
 from reference import emulated_hardware_tile_bits, jax_key, jax_random_part, key_data
 from torch_pallas.kernels import attention, prng
@@ -83,7 +84,7 @@ def check(query_shape, key_shape, value_shape, *, bias=None, dropout_p=0.0, impl
                                         gqa=gqa)
     weights_shape = (*problem.batch, problem.L, problem.S)
     keep = None if not dropout_p else (threefry_keep if impl == "threefry" else hardware_keep)(weights_shape, dropout_p)
-    with jax.experimental.enable_x64():
+    with jax_config.enable_x64(True):  # jax.experimental.enable_x64 is gone in jax 0.10
         operands = [np.asarray(x, np.float64) for x in (query, key, value)]
         reference_bias = None if bias is None else (bias if not float_bias else np.asarray(bias, np.float64))
         function = functools.partial(reference, keep=keep, dropout_p=dropout_p, causal=causal, gqa=gqa,

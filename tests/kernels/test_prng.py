@@ -7,9 +7,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src import blocked_sampler, prng as jax_prng
+from jax._src import blocked_sampler
 from jax._src.pallas.mosaic import random as pallas_random
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import random as jax_extend_random
 
 from reference import SEEDS, jax_key, key_data
 from torch_pallas.kernels import prng, tiling
@@ -27,7 +28,7 @@ def test_threefry2x32_matches_jax():
     k0, k1 = (np.uint32(v) for v in rng.integers(0, 2**32, 2))
     x0, x1 = (rng.integers(0, 2**32, 1000).astype(np.uint32) for _ in range(2))
     ours = prng.threefry2x32(k0, k1, jnp.asarray(x0), jnp.asarray(x1))
-    theirs = jax_prng.threefry_2x32(jnp.array([k0, k1]), jnp.concatenate([jnp.asarray(x0), jnp.asarray(x1)]))
+    theirs = jax_extend_random.threefry_2x32(jnp.array([k0, k1]), jnp.concatenate([jnp.asarray(x0), jnp.asarray(x1)]))
     np.testing.assert_array_equal(np.concatenate([np.asarray(o) for o in ours]), np.asarray(theirs))
 
 

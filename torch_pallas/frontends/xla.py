@@ -28,29 +28,13 @@ import torch_xla.core.xla_builder as xb  # noqa: E402  (after the guard)
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.utils.checkpoint as xla_checkpoint  # noqa: E402
 from jax._src import config as _jax_config  # noqa: E402
-from jax._src import xla_bridge as _jax_xla_bridge  # noqa: E402
 
 from torch_pallas import bridge  # noqa: E402
+# Importing the kernels pins the Mosaic IR version libtpu 0.0.21 accepts (kernels.compat).
+from torch_pallas import kernels  # noqa: E402,F401
 from torch_pallas.sharding import Sharding, with_shard_offset  # noqa: E402
 
 DEVICE_TYPE = "xla"
-
-
-def _pin_mosaic_ir_version() -> None:
-    """Makes jax 0.7.1 serialise Mosaic kernels in IR version 7, which the libtpu that
-    torch_xla 2.9 pins (0.0.21) accepts; it rejects version 8 ("Unsupported version:
-    expected <= 7 but got 8", pytorch/xla issue 9614).
-
-    jax picks 8 unless a build-date rule (``jax/_src/tpu_custom_call.py:get_ir_version``)
-    finds the TPU runtime older than 2025-08-14, and libtpu 0.0.21 was built on 2025-08-15.
-    The rule also picks 7 when lowering is forward-compatible, which JAX forces for the
-    platforms in this set. Applied on every platform, so the TPU-compile tests on CPU
-    lower exactly as a TPU run does.
-    """
-    _jax_xla_bridge.FORCE_FORWARD_COMPAT_LOWERING_PLATFORMS.add("tpu")
-
-
-_pin_mosaic_ir_version()
 
 
 def _keep_jax_on_cpu_with_the_cpu_client() -> None:

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments, prng, tiling
+from torch_pallas.kernels import arguments, compat, prng, tiling
 
 # The row statistics (log-sum-exp; the backward's rowsum(dO * O)) cross kernel boundaries as
 # (rows, ROW_STAT_LANES) float32 blocks.
@@ -362,7 +362,7 @@ def _lanes(row_stat, cols):
     a (rows, 1) column costs a cross-lane permute per vreg of rows, which the kernels' steps would
     otherwise spend on every score block."""
     if cols % ROW_STAT_LANES == 0:
-        return pltpu.repeat(row_stat, cols // ROW_STAT_LANES, axis=1)
+        return compat.repeat(row_stat, cols // ROW_STAT_LANES, axis=1)
     if cols < ROW_STAT_LANES:
         return row_stat[:, :cols]
     return jnp.broadcast_to(row_stat[:, :1], (row_stat.shape[0], cols))
