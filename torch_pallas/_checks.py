@@ -65,8 +65,8 @@ def noise_arguments(p, impl, seed, generator, p_name: str = "p") -> tuple[float,
 
 
 def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
-    """A tensor of one of ``dtypes`` on a device torch_pallas runs on (an XLA device or the
-    CPU), or TypeError/ValueError naming ``name``."""
+    """A tensor of one of ``dtypes`` on a device torch_pallas runs on (an XLA device, torchax's
+    ``jax`` device or the CPU), or TypeError/ValueError naming ``name``."""
     check_tensor(tensor, name)
     if tensor.dtype not in dtypes:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes[:-1])

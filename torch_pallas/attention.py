@@ -36,7 +36,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Args:
         query (Tensor): ``(*batch, L, E)``; float32, bfloat16 or float16 (computed in float32
-            in the kernels), on an XLA device or the CPU.
+            in the kernels), on an XLA device, torchax's ``jax`` device or the CPU.
         key (Tensor): ``(*batch, S, E)``, query's dtype and device; batch dims broadcast.
         value (Tensor): ``(*batch, S, Ev)``, likewise.
         attn_mask (Tensor, optional): broadcastable to ``(*batch, L, S)``: boolean (True

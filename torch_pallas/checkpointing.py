@@ -47,17 +47,20 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
     caller's :func:`torch_pallas.route_dropout`, re-entered for the recomputation): its ``i``-th
     random op without a seed uses ``jax.random.fold_in(key, i)``, a pure function of an
     input of the region, so no RNG state can make the recomputation drift. The
-    checkpointing itself is ``torch_xla.utils.checkpoint.checkpoint`` (reentrant, with
-    the optimisation barrier XLA needs so that the recomputation is not merged with the
-    forward). Under ``torch.compile`` the region is a graph break: it runs as lazy XLA
-    tensors (traced and compiled by torch_xla, cached across steps), the rest of the
-    model compiled.
+    checkpointing itself is, on XLA tensors, ``torch_xla.utils.checkpoint.checkpoint``
+    (reentrant, with the optimisation barrier XLA needs so that the recomputation is not
+    merged with the forward; under ``torch.compile`` the region is a graph break: it runs as
+    lazy XLA tensors, traced and compiled by torch_xla, cached across steps, the rest of the
+    model compiled), and on torchax and CPU tensors ``torch.utils.checkpoint.checkpoint``
+    (under ``jax.grad`` of a torch function, where torch's autograd records nothing, the region
+    simply runs: JAX keeps what its own differentiation needs).
 
     Args:
         function: the region; takes ``*args`` and ``**kwargs``, returns tensors.
         *args: its positional arguments. As with any reentrant checkpoint, gradients flow
             to parameters used inside only if at least one tensor in ``args`` requires grad.
-        use_reentrant (bool, optional): ``None`` or ``True``; torch_xla 2.9 has only the
+        use_reentrant (bool, optional): ``None`` (reentrant) or ``True``; ``False`` too on
+            torchax and CPU tensors, but not on XLA tensors: torch_xla 2.9 has only the
             reentrant implementation.
         preserve_rng_state (bool): also restore the XLA RNG before recomputing, for random
             ops that are not torch_pallas's (torch's own dropout, say). Default: ``True``.
@@ -67,7 +70,7 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
         What ``function`` returns.
 
     Raises:
-        ValueError: ``use_reentrant=False``.
+        ValueError: ``use_reentrant=False`` on XLA tensors.
         TypeError: ``function`` is not callable.
     """
     if not callable(function):

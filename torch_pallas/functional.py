@@ -25,7 +25,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
     the kernels' block sizes.
 
     Args:
-        x (Tensor): float32, bfloat16, float16 or float64, any shape, on an XLA device or
+        x (Tensor): float32, bfloat16, float16 or float64, any shape, on an XLA device, torchax's ``jax`` device or
             the CPU (any tensor when nothing is dropped: ``training=False`` or ``p == 0``).
             float64: the mask is the one float32 gets from the same key (the kernel draws
             it; Mosaic has no float64), applied in float64 outside the kernel.
@@ -69,7 +69,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
             ``p``, ``seed`` or ``generator`` has the wrong type.
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, a seed outside :math:`[0, 2^{64})`,
             both ``seed`` and ``generator``, an unknown ``impl``, ``impl="hardware"`` off
-            TPU, ``x`` neither on an XLA device nor on the CPU,
+            TPU, ``x`` on none of those devices,
             ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
             sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
             with ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
@@ -99,8 +99,8 @@ def _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_d
         output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
     else:
         layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
-        output = dropout_op.apply(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim, None,
-                                  None, layout)
+        key_data = seeds.draw(seed, generator, bridge.device_of(x))
+        output = dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None, layout)
     return x.copy_(output) if inplace else output
 
 
@@ -190,7 +190,8 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
     if p == 1.0:
         output = x * 0
     else:
-        scale = dropout_op.apply(x.new_ones(channels), seeds.draw(seed, generator, bridge.device_of(x)), p, impl, False, None,
+        key_data = seeds.draw(seed, generator, bridge.device_of(x))
+        scale = dropout_op.apply(x.new_ones(channels), key_data, p, impl, False, None,
                                  None, None)
         output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
     return x.copy_(output) if inplace else output
@@ -206,7 +207,7 @@ _FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probabi
     autograd graph keeps it (one element per channel) rather than the key.{extra}
 
     Args:
-        x (Tensor): float32, bfloat16, float16 or float64 on an XLA device or the CPU (any
+        x (Tensor): float32, bfloat16, float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU (any
             tensor when nothing is dropped: ``training=False`` or ``p == 0``).
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``.
@@ -261,7 +262,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
 
     Args:
         x (Tensor): ``(T, B, F)``, or ``(B, T, F)`` with ``batch_first``; float32, bfloat16
-            or float16, on an XLA device or the CPU (the same kernels, through JAX).
+            or float16, on an XLA device, torchax's ``jax`` device or the CPU (the same kernels, through JAX).
         weight (Tensor): ``(F,)`` recurrent weights, a float dtype.
         h0 (Tensor, optional): ``(B, F)`` initial state; zeros if ``None``.
         nonlinearity (str): ``"relu"`` (default) or ``"tanh"``.
@@ -287,7 +288,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
     Raises:
         TypeError: a non-tensor or a non-float tensor (integer dtypes included).
         ValueError: ``x`` not 3-D, ``weight`` not ``(F,)``, ``h0`` not ``(B, F)``, an
-            unknown ``nonlinearity``, a tensor neither on an XLA device nor on the CPU, ``lengths`` not
+            unknown ``nonlinearity``, a tensor on none of those devices, ``lengths`` not
             ``(B,)`` integers in :math:`[0, T]`, or an SPMD-sharded ``x`` split along time
             or into uneven shards.
 

@@ -81,8 +81,9 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         shape (int or sequence of ints): the output's shape.
         seed (int, optional): a seed in :math:`[0, 2^{64})`; the same seed gives the same tensor.
         generator (torch.Generator, optional): a CPU generator to draw the key from.
-        device (torch.device, optional): an XLA device or the CPU (where the same kernels
-            run through JAX and give the same numbers); default ``torch_xla.device()``.
+        device (torch.device, optional): an XLA device, torchax's ``jax`` device or the CPU
+            (where the same kernels run through JAX and give the same numbers); default the
+            stack's device (``torch_xla.device()``; ``jax`` with torchax).
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
         impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
             ``"hardware"`` (TPU only); default :func:`get_default_impl` (``"threefry"``
@@ -100,7 +101,7 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
         TypeError: a non-integer size or seed, a non-float ``dtype``.
         ValueError: a negative size, a seed outside :math:`[0, 2^{64})`, both ``seed`` and
             ``generator``, an unknown ``impl`` or ``impl="hardware"`` off TPU, a ``device``
-            that is neither an XLA device nor the CPU,
+            that is none of those,
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
             take (uneven shards, more than two split dims besides the first, with

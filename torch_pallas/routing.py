@@ -34,7 +34,7 @@ ATTENTION_ROUTES = ("dropout", "all", "none")
 
 class route_dropout(TorchFunctionMode):
     r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
-    ``torch.nn.Dropout`` module) on float tensors on an XLA device or the CPU run as
+    ``torch.nn.Dropout`` module) on float tensors on an XLA device, torchax's ``jax`` device or the CPU run as
     :func:`torch_pallas.dropout`, and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as
     their torch_pallas counterparts.
 

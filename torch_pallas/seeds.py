@@ -99,7 +99,7 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
     Flax folds module paths into keys). Scopes nest; the innermost one counts.
 
     Args:
-        key_data (Tensor): int32 of shape (2,) on an XLA device or the CPU, as
+        key_data (Tensor): int32 of shape (2,) on an XLA device, torchax's ``jax`` device or the CPU, as
             :func:`key_data` returns.
 
     Raises:

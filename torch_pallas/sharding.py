@@ -125,7 +125,8 @@ class Sharding:
         for dim, tiles in enumerate(self.tiles):
             if tiles == 1 or (shared_over_first_dim and dim == 0):
                 continue
-            index = np.arange(tiles, dtype=np.uint64).reshape([tiles if d == dim else 1 for d in range(len(self.mesh_shape))])
+            along = [tiles if d == dim else 1 for d in range(len(self.mesh_shape))]
+            index = np.arange(tiles, dtype=np.uint64).reshape(along)
             offsets = offsets + index * np.uint64(local[dim] * math.prod(shape[dim + 1:]))
         words = np.stack([offsets >> np.uint64(32), offsets & np.uint64(0xFFFFFFFF)], axis=-1)
         return words.astype(np.uint32).view(np.int32)

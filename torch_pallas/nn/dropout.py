@@ -54,7 +54,7 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     Shape:
         - Input: any shape (with ``partition_spec``, of its rank); in training mode float32,
-          bfloat16, float16 or float64 on an XLA device or the CPU.
+          bfloat16, float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU.
         - Output: the input's shape and dtype.
 
     Raises:
@@ -96,7 +96,7 @@ _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`
 
     Shape:
         - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16,
-          float16 or float64 on an XLA device or the CPU.
+          float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU.
         - Output: the input's shape and dtype.
 
     Raises:

@@ -68,8 +68,8 @@ class IndRNN(torch.nn.Module):
     Inputs: ``input, hx``
         input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``,
             ``(T, input_size)`` unbatched, or a :class:`~torch.nn.utils.rnn.PackedSequence`
-            of sequences of different lengths; float, on an XLA device or the CPU. Build a packed
-            batch on the CPU and move it with ``.to(device)``, or with
+            of sequences of different lengths; float, on an XLA device, torchax's ``jax`` device
+            or the CPU. Build a packed batch on the CPU and move it with ``.to(device)``, or with
             :func:`torch_pallas.packing.pack_padded_sequence`: torch_xla 2.9's
             ``pack_padded_sequence`` / ``pack_sequence`` return wrong data for XLA tensors.
         hx: ``(num_layers * num_directions, B, hidden_size)`` (no ``B`` if unbatched); zeros
