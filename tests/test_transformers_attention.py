@@ -141,3 +141,44 @@ def test_training_runs_the_flash_kernels_with_dropout_and_learns(make_model, mon
         torch_xla.sync()  # one graph per step, as torch_xla trains
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_attention_forward_mirrors_sdpa_on_position_bias_float32_masks_and_single_queries():
+    """What no model above passes: transformers 5's position_bias (with a boolean mask, or
+    causal), a float32 mask beside bfloat16 activations, explicit is_causal with one query."""
+    from torch_pallas.transformers_attention import attention_forward
+
+    layer = torch.nn.Module().eval()
+    layer.num_key_value_groups, layer.is_causal = 2, True
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 8, 16, generator=generator) for heads in (4, 2, 2))
+    bias = torch.randn(1, 4, 8, 8, generator=generator)
+    mask = torch.ones(2, 1, 8, 10, dtype=torch.bool)
+    mask[1, :, :, 5:] = False
+    device = torch_xla.device()
+    k_rep, v_rep = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    cases = [  # (our arguments, torch's SDPA arguments)
+        (dict(attention_mask=mask, position_bias=bias),
+         dict(attn_mask=torch.where(mask[..., :8], bias, torch.finfo(bias.dtype).min))),
+        (dict(attention_mask=None, position_bias=bias),
+         dict(attn_mask=torch.where(causal, bias, torch.finfo(bias.dtype).min))),
+        (dict(attention_mask=None, is_causal=False), dict()),
+    ]
+    for ours, theirs in cases:
+        ours = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in ours.items()}
+        output, weights = attention_forward(layer, q.to(device), k.to(device), v.to(device), dropout=0.1, **ours)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, **theirs).transpose(1, 2)
+        assert weights is None and output.shape == (2, 8, 4, 16)
+        torch.testing.assert_close(output.cpu(), expected, rtol=1e-5, atol=1e-5)  # eval: no dropout
+    # a float32 additive mask (finfo(float32).min) beside bfloat16 activations
+    additive = torch.zeros(2, 1, 8, 8).masked_fill(~mask[..., :8], torch.finfo(torch.float32).min)
+    output, _ = attention_forward(layer, *(t.to(device, torch.bfloat16) for t in (q, k, v)), additive.to(device))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask[..., :8])
+    torch.testing.assert_close(output.float().cpu(), expected.transpose(1, 2), rtol=2e-2, atol=2e-2)
+    # one query attends to every key even when is_causal=True is passed (top-left causal would not)
+    output, _ = attention_forward(layer, q[:, :, :1].to(device), k.to(device), v.to(device), None, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k_rep, v_rep).transpose(1, 2)
+    torch.testing.assert_close(output.cpu(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="softcap"):
+        attention_forward(layer, q, k, v, None, softcap=30.0)
