@@ -153,3 +153,18 @@ def test_training_runs_the_flash_kernels_with_dropout_and_learns_under_jit(make_
         losses.append(float(loss))
     assert compiled._cache_size() == 1
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_transformers_is_imported_by_registering_only_and_missing_or_old_ones_are_named(monkeypatch):
+    import subprocess
+    import sys
+    import types
+
+    check = "import sys, torch_pallas; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", check], check=True)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    with pytest.raises(ImportError, match="needs Hugging Face transformers"):
+        torch_pallas.register_attention()
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="4.47.1"))
+    with pytest.raises(ImportError, match=r"transformers >= 4\.48 .* 4\.47\.1 is installed"):
+        torch_pallas.register_attention()
