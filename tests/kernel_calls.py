@@ -1,4 +1,8 @@
-"""Records the kernel calls a test's code makes, through the bridge every kernel passes."""
+"""Records the kernel calls a test's code makes, through the bridge every kernel passes, and the
+calls of torch's own attention."""
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 from torch_pallas import bridge
 from torch_pallas.kernels import attention as attention_kernels, dropout as dropout_kernels
@@ -20,3 +24,16 @@ def record_dropout_keys(monkeypatch) -> list:
 
     monkeypatch.setattr(bridge, "call", recording_call)
     return keys
+
+
+class TorchSDPACalls(TorchFunctionMode):
+    """Counts calls of torch's scaled_dot_product_attention (on torchax, entered inside its
+    environment, it sees them before torchax's own mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.nn.functional.scaled_dot_product_attention
+        return func(*args, **(kwargs or {}))

@@ -4,12 +4,11 @@ attn_implementation="torch_pallas" run their attention in torch_pallas's flash k
 import pytest
 import torch
 import torch_xla
-from torch.overrides import TorchFunctionMode
 
 import torch_pallas
 from torch_pallas import bridge
 from torch_pallas.kernels import attention as attention_kernels
-from kernel_calls import record_dropout_keys
+from kernel_calls import TorchSDPACalls, record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
 
@@ -42,18 +41,6 @@ def inputs():
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[1, 11:] = 0
     return ids.to(torch_xla.device()), padding.to(torch_xla.device())
-
-
-class TorchSDPACalls(TorchFunctionMode):
-    """Counts calls of torch's scaled_dot_product_attention."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.nn.functional.scaled_dot_product_attention
-        return func(*args, **(kwargs or {}))
 
 
 def test_registering_is_idempotent_and_leaves_transformers_own_names_alone():

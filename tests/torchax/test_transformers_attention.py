@@ -8,13 +8,12 @@ import jax
 import pytest
 import torch
 import torchax
-from torch.overrides import TorchFunctionMode
 from torchax import interop
 
 import torch_pallas
 from torch_pallas import bridge
 from torch_pallas.kernels import attention as attention_kernels
-from kernel_calls import record_dropout_keys
+from kernel_calls import TorchSDPACalls, record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -50,19 +49,6 @@ def inputs():
     labels = ids.masked_fill(padding == 0, -100)
     with ENV:
         return ids.to("jax"), padding.to("jax"), labels.to("jax")
-
-
-class TorchSDPACalls(TorchFunctionMode):
-    """Counts calls of torch's scaled_dot_product_attention (entered inside torchax's
-    environment, it sees them before torchax's own mode)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.nn.functional.scaled_dot_product_attention
-        return func(*args, **(kwargs or {}))
 
 
 def test_registering_twice_is_harmless():
