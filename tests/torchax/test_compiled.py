@@ -124,6 +124,15 @@ def test_a_draw_without_a_key_inside_a_trace_raises_and_leaves_the_rng_usable(dr
     assert not np.array_equal(numpy(torch_pallas.dropout(positive(), 0.5)), numpy(torch_pallas.dropout(positive(), 0.5)))
 
 
+def test_a_tracer_torchaxs_own_dropout_left_in_its_rng_gets_an_error_naming_the_fix():
+    """torchax's own dropout inside jax.jit without a key leaves a tracer in its RNG; the next
+    torch_pallas draw says so (and how to reseed) instead of JAX's UnexpectedTracerError."""
+    with ENV.override_property(prng=jax.random.key(0)):  # the leak stays in this test
+        torchax.interop.jax_jit(lambda x: torch.nn.functional.dropout(x, 0.5))(positive())
+        with pytest.raises(RuntimeError, match="manual_seed"):
+            torch_pallas.dropout(positive(), 0.5)
+
+
 def test_override_property_prng_is_a_key_input_too():
     """torchax's own way to give a traced function its RNG key: env.override_property(prng=key)."""
 

@@ -80,12 +80,19 @@ def draw_key_words(device: torch.device) -> torch.Tensor:
     ``env.override_property(prng=key)``).
 
     Raises:
-        RuntimeError: inside a JAX trace whose environment holds a constant key: every run of
-            the compiled function would draw the same noise.
+        RuntimeError: inside a JAX trace whose environment holds a constant key (every run of
+            the compiled function would draw the same noise), or when torchax's RNG holds a
+            tracer an earlier trace left there.
     """
     env = torchax.default_env()
     before = env.param.prng
-    key = env.get_and_rotate_prng_key()
+    try:
+        key = env.get_and_rotate_prng_key()
+    except jax.errors.UnexpectedTracerError as error:
+        raise RuntimeError(
+            "torchax's RNG holds a tracer left by a random op of torchax's own (its dropout, say) that ran "
+            "inside an earlier jax.jit without a key input; reseed it with torchax.default_env().manual_seed(s), "
+            "and give such functions their keys (env.override_property(prng=key))") from error
     if isinstance(key, jax.core.Tracer) and not isinstance(before, jax.core.Tracer):
         env.param.prng = before  # a tracer left there would break every later draw
         raise RuntimeError(
