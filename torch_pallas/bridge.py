@@ -10,10 +10,11 @@ only place touching its library:
 
 A front end is chosen by the tensor's device type and imported the first time a tensor of
 its kind is seen, so neither torch_xla nor torchax is imported by a process that does not
-use it. Each defines ``DEVICE_TYPE`` and the functions this module forwards to
-(``call``, ``draw_key_words``, ``default_device``, ``platform_is_tpu``, ``sharding_of``,
-``sharding_from_mesh``, ``call_sharded``, ``sum_rows_in_order``, ``checkpoint``); adding a
-front end means adding one module and naming it in :data:`FRONT_ENDS`.
+use it. Each defines the functions this module and its callers forward to (``call``,
+``draw_key_words``, ``default_device``, ``platform_is_tpu``, ``checkpoint``,
+``check_use_reentrant``; for sharded tensors ``sharding_of``, ``sharding_from_mesh``,
+``call_sharded``, ``sum_rows_in_order``); adding a front end means adding one module and
+naming it in :data:`FRONT_ENDS`.
 
 It also holds what is the same for every front end: whether Pallas kernels run compiled
 (TPU) or in interpret mode, and the default noise generator.
@@ -53,44 +54,36 @@ def front_end(device_type: str):
         if name is None or (name != "dlpack" and name != STACK):
             return None
         module = _loaded[device_type] = importlib.import_module(f"torch_pallas.frontends.{name}")
-        for registration in _OPS:
-            _register_in(module, *registration)
-        for func, mode_type in _DEFERRED_FUNCTIONS:
-            _defer_in(module, func, mode_type)
+        for hook, args in _ANNOUNCEMENTS:
+            _announce_to(module, hook, args)
     return module
 
 
-# Every custom op, with what a front end that runs ops itself needs: (op, its computation,
-# its autograd formula or None). torchax runs a custom op through its own dispatch, which
-# must be told how.
-_OPS: list = []
+# What the package has told the front ends, replayed to each one loaded later: (the name of
+# the front end's function that takes it, its arguments). A front end without that function
+# has no use for it.
+_ANNOUNCEMENTS: list = []
 
 
-def _register_in(module, op, compute, formula) -> None:
-    register = getattr(module, "register_op", None)
-    if register is not None:
-        register(op, compute, formula)
+def _announce_to(module, hook: str, args: tuple) -> None:
+    function = getattr(module, hook, None)
+    if function is not None:
+        function(*args)
+
+
+def _announce(hook: str, *args) -> None:
+    _ANNOUNCEMENTS.append((hook, args))
+    for module in set(_loaded.values()):
+        _announce_to(module, hook, args)
 
 
 def register_op(op, compute, formula=None) -> None:
     """Tells every front end, loaded now or later, how to run the custom ``op``:
     ``compute(*args)`` is its computation on torch tensors and ``formula`` its
     ``(setup_context, backward)``, as registered with torch's autograd (``None`` for an op
-    nothing differentiates)."""
-    _OPS.append((op, compute, formula))
-    for module in set(_loaded.values()):
-        _register_in(module, op, compute, formula)
-
-
-# (torch function, TorchFunctionMode subclass): calls a front end's own torch-function-level
-# rule would take before the mode sees them, offered to an active mode of that type first.
-_DEFERRED_FUNCTIONS: list = []
-
-
-def _defer_in(module, func, mode_type) -> None:
-    defer = getattr(module, "defer_function_to_mode", None)
-    if defer is not None:
-        defer(func, mode_type)
+    nothing differentiates). torchax runs a custom op through its own dispatch, which must be
+    told how."""
+    _announce("register_op", op, compute, formula)
 
 
 def defer_function_to_mode(func, mode_type) -> None:
@@ -99,9 +92,7 @@ def defer_function_to_mode(func, mode_type) -> None:
     even if the front end's own function mode (torchax's, entered later, so above it on
     torch's mode stack) would take it first; what the mode hands back to ``func`` runs the
     front end's own rule."""
-    _DEFERRED_FUNCTIONS.append((func, mode_type))
-    for module in set(_loaded.values()):
-        _defer_in(module, func, mode_type)
+    _announce("defer_function_to_mode", func, mode_type)
 
 
 def default_front_end():

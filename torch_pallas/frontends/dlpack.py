@@ -9,7 +9,6 @@ import torch.utils.checkpoint
 
 from torch_pallas import bridge
 
-DEVICE_TYPE = "cpu"
 
 # torch's CPU allocator aligns every buffer to 64 bytes, as jaxlib wants a buffer it shares.
 _DLPACK_ALIGNMENT = 64

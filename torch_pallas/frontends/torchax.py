@@ -28,7 +28,6 @@ from torchax import tensor as torchax_tensor
 from torch_pallas import bridge
 from torch_pallas.sharding import Sharding, with_shard_offset
 
-DEVICE_TYPE = "jax"
 MESH_TYPE_NAME = "jax.sharding.Mesh"
 
 

@@ -34,8 +34,6 @@ from torch_pallas import bridge  # noqa: E402
 from torch_pallas import kernels  # noqa: E402,F401
 from torch_pallas.sharding import Sharding, with_shard_offset  # noqa: E402
 
-DEVICE_TYPE = "xla"
-
 
 def _keep_jax_on_cpu_with_the_cpu_client() -> None:
     """On ``PJRT_DEVICE=CPU`` JAX needs only its CPU backend. Without this, an installed
