@@ -48,6 +48,7 @@ def check_use_reentrant(use_reentrant) -> None:
 
 
 def checkpoint(region, *args, use_reentrant, preserve_rng_state):
-    """torch's own checkpoint (reentrant unless told otherwise, as torch_xla's)."""
+    """torch's own checkpoint (reentrant unless told otherwise, as torch_xla's), for CPU and
+    torchax tensors."""
     return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=use_reentrant is not False,
                                              preserve_rng_state=preserve_rng_state)

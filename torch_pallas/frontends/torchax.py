@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.utils.checkpoint
 import torchax
 from torchax import tensor as torchax_tensor
 
 from torch_pallas import bridge
+# Checkpointing on torchax tensors is torch's own, as on CPU tensors.
+from torch_pallas.frontends.dlpack import check_use_reentrant, checkpoint  # noqa: F401
 from torch_pallas.sharding import Sharding, with_shard_offset
 
 MESH_TYPE_NAME = "jax.sharding.Mesh"
@@ -117,12 +118,6 @@ class _Context:
         self.saved_tensors = tensors
 
     def save_for_forward(self, *tensors):
-        pass
-
-    def mark_non_differentiable(self, *tensors):
-        pass
-
-    def set_materialize_grads(self, value):
         pass
 
 
@@ -236,16 +231,6 @@ def defer_function_to_mode(func, mode_type) -> None:
             _deferring.active = False
 
     env.override_op_definition(func, rule, is_view_op=original.is_view_op)
-
-
-def check_use_reentrant(use_reentrant) -> None:
-    """Either form is torch's."""
-
-
-def checkpoint(region, *args, use_reentrant, preserve_rng_state):
-    """torch's own checkpoint on torchax tensors (reentrant unless told otherwise)."""
-    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=use_reentrant is not False,
-                                             preserve_rng_state=preserve_rng_state)
 
 
 # Sharding: a torchax tensor whose array is sharded over a JAX mesh (NamedSharding) runs each
