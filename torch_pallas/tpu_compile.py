@@ -59,7 +59,7 @@ def _topology(name: str):
 @functools.cache
 def _generations() -> dict[str, str]:
     """Asks libtpu which generations it knows (libtpu 0.0.21: v4 to v6e; 0.0.52: TPU7x too)."""
-    if importlib.util.find_spec("libtpu") is None:
+    if not available():
         return {}
     known = {}
     for generation, topology in _TOPOLOGIES.items():
