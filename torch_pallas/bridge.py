@@ -172,6 +172,12 @@ def call(jax_function, *tensors: torch.Tensor, **static):
     return front_end(tensors[0].device.type).call(jax_function, tensors, static)
 
 
+def torch_key_words(device=None, generator=None) -> torch.Tensor:
+    """Two int32 words of key data drawn from torch's RNG: ``generator``'s, or ``device``'s
+    (the XLA RNG on an XLA device, the default generator on the CPU)."""
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
+
+
 # The process-wide noise impl of calls without ``impl=``, as JAX's ``jax_default_prng_impl``:
 # read from the environment once, changed by torch_pallas.random.set_default_impl.
 NOISE_IMPL_VARIABLE = "TORCH_PALLAS_NOISE_IMPL"

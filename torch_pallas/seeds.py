@@ -70,10 +70,6 @@ def check_source(seed=None, generator=None) -> None:
         check_generator(generator)
 
 
-def _random_words(generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator)
-
-
 class _KeyScope:
     def __init__(self, key_data: torch.Tensor):
         self.key_data = key_data
@@ -145,7 +141,7 @@ def draw(seed, generator, device: torch.device) -> torch.Tensor:
     if seed is not None:
         return key_data_from_seed(seed, device)
     if generator is not None:
-        return _random_words(generator).to(device)
+        return bridge.torch_key_words(generator=generator).to(device)
     if _key_scopes:
         return _key_scopes[-1].next_key().to(device)
     return bridge.front_end(device.type).draw_key_words(device)

@@ -24,7 +24,7 @@ def default_device() -> torch.device:
 
 def draw_key_words(device: torch.device) -> torch.Tensor:
     """Two int32 words from torch's default generator (``torch.manual_seed``)."""
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, device=device)
+    return bridge.torch_key_words(device)
 
 
 def _shareable(tensor: torch.Tensor) -> torch.Tensor:

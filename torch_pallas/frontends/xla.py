@@ -62,7 +62,7 @@ def default_device() -> torch.device:
 def draw_key_words(device: torch.device) -> torch.Tensor:
     """Two int32 words from the XLA RNG (``torch_xla.manual_seed``), with no host sync and no
     new graph per call."""
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, device=device)
+    return bridge.torch_key_words(device)
 
 
 # (function, interpret (the platform), static values in the caller's order, JAX's trace
