@@ -141,9 +141,9 @@ def with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
 
 def _front_end_of_mesh(mesh):
     front_end = bridge.default_front_end()
-    if not getattr(front_end, "is_mesh", lambda mesh: False)(mesh):
-        raise TypeError(f"mesh must be a {getattr(front_end, 'MESH_TYPE_NAME', 'mesh of an accelerator stack')}, "
-                        f"got {type(mesh).__name__}")
+    wanted = getattr(front_end, "MESH_TYPE_NAME", None)  # None: the CPU-only stack has no meshes
+    if wanted is None or not front_end.is_mesh(mesh):
+        raise TypeError(f"mesh must be a {wanted or 'mesh of an accelerator stack'}, got {type(mesh).__name__}")
     return front_end
 
 
