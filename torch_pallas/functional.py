@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
@@ -89,19 +91,50 @@ def _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_d
     """:func:`dropout` of a tensor ``x`` whose sharding is resolved (``found``: a
     :class:`~torch_pallas.sharding.Sharding` or ``None``): the path of the function and of
     the modules, which resolve theirs when they are built."""
+    drawn = _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, found)
+    if drawn is None:
+        return x  # the identity, as torch's, for any device and dtype
+    output = drawn.output()
+    return x.copy_(output) if inplace else output
+
+
+class DrawnDropout(NamedTuple):
+    """A dropout of ``x`` whose key is drawn: what its output, and a residual added to it,
+    are computed from. ``key_data`` is ``None`` when ``p == 1`` (no mask to draw)."""
+
+    x: torch.Tensor
+    key_data: torch.Tensor | None
+    p: float
+    impl: str
+    shared_over_first_dim: bool
+    layout: str | None
+
+    def output(self) -> torch.Tensor:
+        if self.key_data is None:
+            return self.x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
+        return dropout_op.apply(self.x, self.key_data, self.p, self.impl, self.shared_over_first_dim, None, None,
+                                self.layout)
+
+    def added_to(self, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self.output()`` in one kernel (a mask over all of ``x`` only)."""
+        if self.key_data is None:
+            return self.x * 0 + residual
+        return dropout_op.apply_add(self.x, residual, self.key_data, self.p, self.impl, self.layout)
+
+
+def _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, found) -> DrawnDropout | None:
+    """Checks :func:`dropout`'s arguments and draws its key; ``None`` when nothing is dropped
+    (``training=False`` or ``p == 0``), with no key drawn."""
     p, impl = _checks.noise_arguments(p, impl, seed, generator)
     if shared_over_first_dim and x.dim() == 0:
         raise ValueError("shared_over_first_dim needs an input with at least one dimension")
     if not training or p == 0.0:
-        return x  # the identity, as torch's, for any device and dtype
+        return None
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
     if p == 1.0:
-        output = x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
-    else:
-        layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
-        key_data = seeds.draw(seed, generator, bridge.device_of(x))
-        output = dropout_op.apply(x, key_data, p, impl, shared_over_first_dim, None, None, layout)
-    return x.copy_(output) if inplace else output
+        return DrawnDropout(x, None, p, impl, shared_over_first_dim, None)
+    layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
+    return DrawnDropout(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim, layout)
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None,
@@ -143,15 +176,8 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(residual.shape)} on {residual.device}")
-    p, impl = _checks.noise_arguments(p, impl, seed, generator)
-    if not training or p == 0.0:
-        return x + residual
-    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
-    if p == 1.0:
-        return x * 0 + residual
-    found = sharding.resolve(x)
-    layout = None if found is None else found.check(x.shape, "x", impl)
-    return dropout_op.apply_add(x, residual, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, layout)
+    drawn = _draw_dropout(x, p, training, seed, generator, impl, False, sharding.resolve(x))
+    return x + residual if drawn is None else drawn.added_to(residual)
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):
