@@ -11,7 +11,7 @@ only place touching its library:
 A front end is chosen by the tensor's device type and imported the first time a tensor of
 its kind is seen, so neither torch_xla nor torchax is imported by a process that does not
 use it. Each defines the functions this module and its callers forward to (``call``,
-``draw_key_words``, ``default_device``, ``platform_is_tpu``, ``checkpoint``,
+``draw_key_words``, ``default_device``, ``platform_is_tpu``, ``runs_lazily``, ``checkpoint``,
 ``check_use_reentrant``; for sharded tensors ``sharding_of``, ``sharding_from_mesh``,
 ``call_sharded``, ``sum_rows_in_order``); adding a front end means adding one module and
 naming it in :data:`FRONT_ENDS`.
@@ -129,6 +129,13 @@ def runs_on(device: torch.device) -> bool:
     """Whether torch_pallas's ops run on tensors of ``device``: an XLA device (torch_xla), a
     torchax ``jax`` device, or the CPU."""
     return front_end(device.type) is not None
+
+
+def runs_lazily(tensor: torch.Tensor) -> bool:
+    """Whether ops on ``tensor`` (on a device torch_pallas runs on) are recorded to run later,
+    so that one whose result nothing reads never runs: torch_xla's lazy tensors (not in its
+    eager mode), torchax tensors inside a JAX trace; never CPU tensors."""
+    return front_end(device_of(tensor).type).runs_lazily(tensor)
 
 
 def device_or_default(device=None) -> torch.device:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torch_pallas import _checks, bridge
-from torch_pallas import functional
+from torch_pallas import functional, residual_fusion
 from torch_pallas.attention import scaled_dot_product_attention
 from torch_pallas.kernels import arguments
 
@@ -59,9 +59,20 @@ class route_dropout(TorchFunctionMode):
         attention (str): which ``F.scaled_dot_product_attention`` calls on XLA tensors run
             as torch_pallas's: ``"dropout"`` (default) those with ``dropout_p > 0``,
             ``"all"`` every one (evaluation too), ``"none"`` none.
+        fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
+            output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
+            ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)
+            as :func:`torch_pallas.dropout_add` with the dropout's key: the same mask, the
+            sum rounded once in float32 (the same bits as unfused for float32 and float64
+            tensors). On tensors that run lazily (torch_xla's, torchax's inside a JAX
+            trace), where the dropout's own kernel then never runs; not on eager CPU
+            tensors, and not under ``torch.compile``, where the ``"torch_pallas"`` backend
+            fuses instead. Not if the dropout's input or output was written in place in
+            between. Default: ``False``.
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
+        TypeError: ``fuse_residual`` is not a bool.
 
     Example::
 
@@ -70,11 +81,15 @@ class route_dropout(TorchFunctionMode):
         >>> loss.backward()                  # masks regenerated from their keys
     """
 
-    def __init__(self, *, impl=None, attention: str = "dropout"):
+    def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
         self.attention = arguments.check_one_of("attention", attention, ATTENTION_ROUTES)
+        if not isinstance(fuse_residual, bool):
+            raise TypeError(f"fuse_residual must be True or False, got {type(fuse_residual).__name__} "
+                            f"{fuse_residual!r}")
+        self.fuse_residual = fuse_residual
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,7 +99,14 @@ class route_dropout(TorchFunctionMode):
             call.apply_defaults()
             input, p, training = call.args[:3]
             if input.is_floating_point() and bridge.runs_on(input.device):
-                return ours(input, p, training, call.arguments.get("inplace", False), impl=self.impl)
+                inplace = call.arguments.get("inplace", False)
+                if self.fuse_residual and ours is functional.dropout and not inplace:
+                    return residual_fusion.routed_dropout(input, p, training, self.impl)
+                return ours(input, p, training, inplace, impl=self.impl)
+        elif self.fuse_residual and func in residual_fusion.ADDS and not torch.compiler.is_compiling():
+            fused = residual_fusion.fused_add(func, args, kwargs)
+            if fused is not None:
+                return fused
         elif func is F.scaled_dot_product_attention and self.attention != "none":
             call = _SDPA_SIGNATURE.bind(*args, **kwargs)
             call.apply_defaults()

@@ -22,6 +22,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def runs_lazily(tensor: torch.Tensor) -> bool:
+    """CPU tensors run each op when it is called."""
+    return False
+
+
 def draw_key_words(device: torch.device) -> torch.Tensor:
     """Two int32 words from torch's default generator (``torch.manual_seed``)."""
     return bridge.torch_key_words(device)

@@ -44,6 +44,12 @@ def default_device() -> torch.device:
 _TORCHAX_TENSORS = (torchax_tensor.Tensor, torchax_tensor.View)
 
 
+def runs_lazily(tensor: torch.Tensor) -> bool:
+    """Inside a JAX trace (jax.jit, torchax.compile): the tensor holds a tracer; eager torchax
+    tensors run each op when it is called."""
+    return isinstance(tensor, _TORCHAX_TENSORS) and isinstance(_array(tensor), jax.core.Tracer)
+
+
 def _environment(tensors) -> torchax_tensor.Environment:
     for tensor in tensors:
         if isinstance(tensor, _TORCHAX_TENSORS):

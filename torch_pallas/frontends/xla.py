@@ -54,6 +54,11 @@ def platform_is_tpu() -> bool:
     return xr.device_type() == "TPU"
 
 
+def runs_lazily(tensor: torch.Tensor) -> bool:
+    """Lazy unless torch_xla's eager mode (``torch_xla.experimental.eager_mode``) is on."""
+    return not torch_xla._XLAC._get_use_eager_mode()
+
+
 @torch.compiler.assume_constant_result  # dynamo cannot trace into torch_xla's C++ bindings
 def default_device() -> torch.device:
     return torch_xla.device()

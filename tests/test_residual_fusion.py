@@ -1,0 +1,135 @@
+"""Residual dropouts fused into torch_pallas.dropout_add: route_dropout(fuse_residual=True) on
+lazy XLA tensors, the "torch_pallas" backend under torch.compile, and transformers models."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.debug.metrics as metrics
+
+import torch_pallas
+from torch_pallas import residual_fusion
+
+DEVICE = torch_xla.device()
+
+
+def kernel_nodes(*tensors) -> dict:
+    """How many dropout kernels (key, x) and fused dropout_add kernels (key, x, residual) the
+    lazy graph of ``tensors`` holds: what would be compiled and run, dead nodes left out.
+    (Attention kernels take four operands or more.)"""
+    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    operands = [len(match.split(",")) for match in re.findall(r"xla::torch_pallas\(([^)]*)\)", text)]
+    return {"dropout": operands.count(2), "dropout_add": operands.count(3)}
+
+
+def integers(*shape, scale=1.0):
+    """Integer-valued floats: x / (1 - p) with p = 0.5 and the sums are exact."""
+    return (torch.randint(-8, 8, shape).float() * scale).to(DEVICE)
+
+
+FORMS = {
+    "residual + dropout(x)": lambda x, r, b: r + F.dropout(x, 0.5),
+    "dropout(x) + residual": lambda x, r, b: torch.nn.Dropout(0.5)(x) + r,
+    "torch.add": lambda x, r, b: torch.add(r, torch.dropout(x, 0.5, True)),
+    "dropout(x + bias) + residual": lambda x, r, b: F.dropout(x + b, 0.5) + r,
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_fused_add_has_the_unfused_mask_bits_and_gradients_and_one_kernel(form):
+    x, r, b = (integers(16, 128).requires_grad_() for _ in range(3))
+    weights = integers(16, 128)
+    results = {}
+    for fuse in (False, True):
+        torch_xla.manual_seed(3)
+        with torch_pallas.route_dropout(fuse_residual=fuse):
+            out = FORMS[form](x, r, b)
+        assert kernel_nodes(out) == {"dropout": int(not fuse), "dropout_add": int(fuse)}
+        grads = torch.autograd.grad((out * weights).sum(), (x, r, b), materialize_grads=True)
+        results[fuse] = [out, *grads]
+    for unfused, fused in zip(results[False], results[True]):
+        assert torch.equal(unfused.cpu(), fused.cpu())
+
+
+def test_inplace_adds_write_the_fused_sum_into_the_residual():
+    x = integers(8, 128)
+    for write in (lambda r, y: r.__iadd__(y), lambda r, y: r.add_(y)):
+        r = integers(8, 128)
+        expected = r.clone()
+        torch_xla.manual_seed(4)
+        with torch_pallas.route_dropout():
+            expected += F.dropout(x, 0.5)
+        torch_xla.manual_seed(4)
+        with torch_pallas.route_dropout(fuse_residual=True):
+            assert write(r, F.dropout(x, 0.5)) is r
+        assert kernel_nodes(r) == {"dropout": 0, "dropout_add": 1} and torch.equal(r.cpu(), expected.cpu())
+
+
+def test_adds_it_cannot_fuse_are_left_to_torch():
+    x, r = integers(8, 128), integers(8, 128)
+    cases = [  # (the add, given the dropout's output y and its input), each equal to the unfused add
+        lambda y, x: r + y.mul_(2),           # y written in place in between
+        lambda y, x: r + (x.add_(1), y)[1],   # the dropout's input written in place
+        lambda y, x: torch.add(r, y, alpha=2),
+        lambda y, x: r[:1] + y,               # broadcast
+        lambda y, x: r.double() + y,          # promotion
+    ]
+    for add in cases:
+        results = []
+        for fuse in (False, True):
+            torch_xla.manual_seed(5)
+            with torch_pallas.route_dropout(fuse_residual=fuse):
+                input = x.clone()
+                results.append(add(F.dropout(input, 0.5), input))
+        assert kernel_nodes(results[1])["dropout_add"] == 0 and torch.equal(results[0].cpu(), results[1].cpu())
+    cpu = torch.ones(4, 128)  # eager CPU tensors: the dropout kernel has run already
+    with torch_pallas.route_dropout(fuse_residual=True):
+        assert not hasattr(F.dropout(cpu, 0.5), residual_fusion._DRAWN)
+    with pytest.raises(TypeError, match="fuse_residual must be True or False"):
+        torch_pallas.route_dropout(fuse_residual=1)
+
+
+def test_compiled_backend_fuses_fullgraph_with_the_unfused_numbers_and_compiles_once(monkeypatch):
+    fused_per_graph = []
+    fuse = residual_fusion.fuse_residual_dropouts
+    monkeypatch.setattr(residual_fusion, "fuse_residual_dropouts",
+                        lambda graph: fused_per_graph.append(fuse(graph)) or fused_per_graph[-1])
+
+    def step(x, r, b):
+        with torch_pallas.route_dropout():
+            hidden = r + F.dropout(x + b, 0.5)
+            hidden += F.dropout(hidden, 0.5)  # in place, on a tensor of the graph
+        return hidden
+
+    x, r, b = (integers(16, 128).requires_grad_() for _ in range(3))
+    results, compiles = {}, []
+    for backend in ("openxla", residual_fusion.BACKEND):
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        for _ in range(2):
+            torch_xla.manual_seed(6)
+            out = compiled(x, r, b)
+            grads = torch.autograd.grad(out.sum(), (x, r, b))
+            torch_xla.sync()
+            compiles.append(metrics.metric_data("CompileTime")[0])
+        results[backend] = [out, *grads]
+    # Forward, then backward: hidden's gradient is its own plus the second dropout's (a sum fused too).
+    assert fused_per_graph == [2, 1], fused_per_graph  # and graphs compiled once
+    assert compiles[2] == compiles[3], compiles  # the second call compiles nothing
+    for unfused, fused in zip(*results.values()):
+        assert torch.equal(unfused.cpu(), fused.cpu())
+
+
+def test_checkpointed_region_fuses_in_the_forward_and_the_recomputation():
+    results = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        x, r = integers(8, 128).requires_grad_(), integers(8, 128).requires_grad_()
+        torch_xla.manual_seed(7)
+        with torch_pallas.route_dropout(fuse_residual=fuse):
+            out = torch_pallas.checkpoint(lambda x, r: r + F.dropout(x, 0.5), x, r, use_reentrant=True)
+        (out * out).sum().backward()  # the recomputation's mask: out's gradient flows through it
+        results.append([out, x.grad, r.grad])
+    for unfused, fused in zip(*results):
+        assert torch.equal(unfused.cpu(), fused.cpu())

@@ -1,0 +1,148 @@
+"""Residual dropouts in one kernel: ``residual + dropout(x)``, written by models as two calls,
+run as :func:`torch_pallas.dropout_add` with the dropout's own key (so its mask).
+
+A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
+memory and read it back, a pass over the tensor that the fused kernel saves. How the add is
+reached depends on how the step is traced:
+
+- lazily (torch_xla's lazy tensors; torchax tensors inside a JAX trace), by
+  ``route_dropout(fuse_residual=True)``: a routed dropout's output carries its drawn key, and
+  an add of that output and a tensor of its shape returns ``dropout_add`` of the same key.
+  The dropout's own node is then dead: nothing reads it, so it is never compiled or run,
+  and the autograd graph of the sum does not reach it. Eager CPU tensors are not fused:
+  their dropout kernel has already run when the add is seen.
+- under ``torch.compile``, by the ``"torch_pallas"`` backend: openxla's, with a pass over
+  AOTAutograd's graphs rewriting ``add(dropout(x), residual)``. Dynamo could trace the
+  mode's rewrite, but not its safety check (a tensor's version counter is data-dependent
+  there), while in AOTAutograd's functional graph no in-place op can come between.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from torch_pallas import bridge, functional, sharding
+
+__all__ = ["BACKEND", "fuse_residual_dropouts"]
+
+# Name of the dynamo backend (torch.compile(backend=BACKEND)), registered on the xla stack.
+BACKEND = "torch_pallas"
+
+# The out-of-place and in-place adds route_dropout offers to fuse: ``a + b`` and ``a += b``
+# reach a TorchFunctionMode as Tensor.add and Tensor.add_.
+ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_)
+_ADD_SIGNATURE = inspect.signature(lambda input, other, *, alpha=1, out=None: None)
+_DRAWN = "_torch_pallas_drawn_dropout"
+
+
+def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
+    """``torch_pallas.dropout(x, p, training, impl=impl)`` whose output, on tensors that run
+    lazily, remembers its drawn key and the versions of ``x`` and itself, for :func:`fused_add`."""
+    drawn = functional._draw_dropout(x, p, training, None, None, impl, False, sharding.resolve(x))
+    if drawn is None:
+        return x
+    output = drawn.output()
+    # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
+    # kernel has run already.
+    if drawn.key_data is not None and not torch.compiler.is_compiling() and bridge.runs_lazily(x):
+        setattr(output, _DRAWN, (drawn, x._version, output._version))
+    return output
+
+
+def _drawn_dropout_of(tensor) -> functional.DrawnDropout | None:
+    """The dropout whose output ``tensor`` is, if neither it nor the dropout's input has been
+    written in place since (through any view: the version counters say so)."""
+    remembered = getattr(tensor, _DRAWN, None) if isinstance(tensor, torch.Tensor) else None
+    if remembered is None:
+        return None
+    drawn, x_version, version = remembered
+    return drawn if drawn.x._version == x_version and tensor._version == version else None
+
+
+def fused_add(func, args, kwargs) -> torch.Tensor | None:
+    """The add ``func(*args, **kwargs)`` (one of :data:`ADDS`) as ``dropout_add`` of the
+    remembered dropout one of its operands is and the other (a tensor of its shape, dtype and
+    device), written into the first operand for ``add_``; ``None`` when it is not such an add."""
+    try:
+        call = _ADD_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return None  # torch will raise its own error
+    input, other = call.arguments["input"], call.arguments["other"]
+    if call.arguments.get("alpha", 1) != 1 or call.arguments.get("out") is not None:
+        return None
+    for dropped, residual in ((input, other), (other, input)):
+        drawn = _drawn_dropout_of(dropped)
+        if drawn is not None and isinstance(residual, torch.Tensor) and (
+                residual.shape, residual.dtype, residual.device) == (dropped.shape, dropped.dtype, dropped.device):
+            total = drawn.added_to(residual)
+            return input.copy_(total) if func is torch.Tensor.add_ else total
+    return None
+
+
+def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
+    """Rewrites, in an ATen-level graph (AOTAutograd's), each ``aten.add.Tensor`` of a
+    ``torch_pallas::dropout`` output that nothing else reads and a tensor of its shape, dtype
+    and device into one ``torch_pallas::dropout_add`` with the dropout's key; returns how many.
+
+    In a backward graph this fuses a dropout's gradient into the sum of gradients it joins.
+    """
+    graph = graph_module.graph
+    dropout, dropout_add = torch.ops.torch_pallas.dropout.default, torch.ops.torch_pallas.dropout_add.default
+    fused = 0
+    for add in list(graph.nodes):
+        if add.target is not torch.ops.aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+            continue
+        for dropped, residual in (add.args, add.args[::-1]):
+            if not (isinstance(dropped, torch.fx.Node) and dropped.target is dropout and len(dropped.users) == 1
+                    and isinstance(residual, torch.fx.Node) and _same_tensor_type(dropped, residual)):
+                continue
+            x, key_data, p, impl, shared_over_first_dim, *_, layout = _dropout_arguments(dropped)
+            if shared_over_first_dim:
+                continue
+            with graph.inserting_before(add):
+                total = graph.call_function(dropout_add, (x, residual, key_data, p, impl, layout))
+            total.meta.update(add.meta)
+            add.replace_all_uses_with(total)
+            graph.erase_node(add)
+            graph.erase_node(dropped)
+            fused += 1
+            break
+    if fused:
+        graph.lint()
+        graph_module.recompile()
+    return fused
+
+
+def _dropout_arguments(node: torch.fx.Node) -> list:
+    """A ``torch_pallas::dropout`` node's eight arguments, defaults filled in."""
+    schema = torch.ops.torch_pallas.dropout.default._schema
+    values = list(node.args)
+    for argument in schema.arguments[len(values):]:
+        values.append(node.kwargs.get(argument.name, argument.default_value))
+    return values
+
+
+def _same_tensor_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    a, b = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device))
+
+
+def _register_backend() -> None:
+    """Registers :data:`BACKEND`: openxla's AOTAutograd backend with
+    :func:`fuse_residual_dropouts` run on its forward and backward graphs first."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.registry import register_backend
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+    def compile_graph(graph_module, example_inputs):
+        fuse_residual_dropouts(graph_module)
+        return openxla_eval_boxed(graph_module, example_inputs)
+
+    register_backend(name=BACKEND, compiler_fn=aot_autograd(fw_compiler=compile_graph))
+
+
+if bridge.STACK == "xla":
+    _register_backend()
