@@ -20,6 +20,7 @@ reached depends on how the step is traced:
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 
@@ -35,6 +36,11 @@ BACKEND = "torch_pallas"
 ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_)
 _ADD_SIGNATURE = inspect.signature(lambda input, other, *, alpha=1, out=None: None)
 _DRAWN = "_torch_pallas_drawn_dropout"
+# Numbers the remembered dropouts in the order they ran: an add of two of them fuses the later
+# one, the other being the earlier residual stream, which its own next readers keep live
+# (T5's first layer adds its attention's dropout to the embeddings' dropout, which its layer
+# norm also reads).
+_draws = itertools.count()
 
 
 def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
@@ -47,18 +53,19 @@ def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
     # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
     # kernel has run already.
     if drawn.key_data is not None and not torch.compiler.is_compiling() and bridge.runs_lazily(x):
-        setattr(output, _DRAWN, (drawn, x._version, output._version))
+        setattr(output, _DRAWN, (drawn, x._version, output._version, next(_draws)))
     return output
 
 
-def _drawn_dropout_of(tensor) -> functional.DrawnDropout | None:
-    """The dropout whose output ``tensor`` is, if neither it nor the dropout's input has been
-    written in place since (through any view: the version counters say so)."""
+def _drawn_dropout_of(tensor) -> tuple[int, functional.DrawnDropout] | None:
+    """The dropout whose output ``tensor`` is, and its number in :data:`_draws`, if neither
+    it nor the dropout's input has been written in place since (through any view: the version
+    counters say so)."""
     remembered = getattr(tensor, _DRAWN, None) if isinstance(tensor, torch.Tensor) else None
     if remembered is None:
         return None
-    drawn, x_version, version = remembered
-    return drawn if drawn.x._version == x_version and tensor._version == version else None
+    drawn, x_version, version, number = remembered
+    return (number, drawn) if drawn.x._version == x_version and tensor._version == version else None
 
 
 def fused_add(func, args, kwargs) -> torch.Tensor | None:
@@ -72,13 +79,16 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
     input, other = call.arguments["input"], call.arguments["other"]
     if call.arguments.get("alpha", 1) != 1 or call.arguments.get("out") is not None:
         return None
-    for dropped, residual in ((input, other), (other, input)):
-        drawn = _drawn_dropout_of(dropped)
-        if drawn is not None and isinstance(residual, torch.Tensor) and (
-                residual.shape, residual.dtype, residual.device) == (dropped.shape, dropped.dtype, dropped.device):
-            total = drawn.added_to(residual)
-            return input.copy_(total) if func is torch.Tensor.add_ else total
-    return None
+    if not isinstance(input, torch.Tensor) or not isinstance(other, torch.Tensor) or (
+            input.shape, input.dtype, input.device) != (other.shape, other.dtype, other.device):
+        return None
+    candidates = [(found, residual) for found, residual in ((_drawn_dropout_of(input), other),
+                                                             (_drawn_dropout_of(other), input)) if found is not None]
+    if not candidates:
+        return None
+    (_, drawn), residual = max(candidates, key=lambda candidate: candidate[0][0])
+    total = drawn.added_to(residual)
+    return input.copy_(total) if func is torch.Tensor.add_ else total
 
 
 def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
