@@ -1,0 +1,48 @@
+"""route_dropout(fuse_residual=True) on torchax tensors: inside a JAX trace the add of a routed
+dropout is dropout_add with the dropout's key, and the traced step holds one kernel."""
+
+import jax
+from jax._src.interpreters import partial_eval
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torchax.interop import jax_view, torch_view
+
+import torch_pallas
+from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy  # noqa: F401  (in_env: fixture)
+
+pytestmark = pytest.mark.usefixtures("in_env")
+
+
+def step(fuse_residual):
+    def residual_block(x, residual, key):
+        with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
+                torch_pallas.route_dropout(fuse_residual=fuse_residual):
+            return jax_view(torch_view(residual) + F.dropout(torch_view(x), 0.5))
+    return jax.jit(residual_block)
+
+
+def kernels(jitted, *args, dead_code_removed: bool) -> int:
+    """Pallas kernels in the traced step, before or after JAX drops what no output reads (as
+    jit does when it lowers)."""
+    jaxpr = jax.make_jaxpr(jitted)(*args).jaxpr
+    if dead_code_removed:
+        jaxpr, _ = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return str(jaxpr).count("pallas_call")
+
+
+def test_traced_residual_dropout_is_one_kernel_with_the_unfused_mask():
+    rng = np.random.default_rng(0)
+    x, residual = (jax_view(jax_tensor(rng.integers(-8, 8, SHAPE).astype(np.float32))) for _ in range(2))
+    key = jax_view(torch_pallas.seeds.key_data(seed=3))
+    fused, unfused = step(True), step(False)
+    np.testing.assert_array_equal(np.asarray(fused(x, residual, key)), np.asarray(unfused(x, residual, key)))
+    # Fused: the dropout's kernel is traced, then dropped, dead; dropout_add's is the one left.
+    assert kernels(fused, x, residual, key, dead_code_removed=False) == 2
+    assert kernels(fused, x, residual, key, dead_code_removed=True) == 1
+    assert kernels(unfused, x, residual, key, dead_code_removed=True) == 1  # and XLA's add after it
+    eager = torch_pallas.route_dropout(fuse_residual=True)
+    with eager:  # eager torchax: the dropout kernel has run already, nothing is fused
+        y = F.dropout(torch_view(x), 0.5)
+    assert not hasattr(y, "_torch_pallas_drawn_dropout")
