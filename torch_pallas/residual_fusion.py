@@ -26,9 +26,9 @@ import torch
 
 from torch_pallas import bridge, functional, sharding
 
-__all__ = ["BACKEND", "fuse_residual_dropouts"]
+__all__ = ["BACKEND", "backend", "fuse_residual_dropouts"]
 
-# Name of the dynamo backend (torch.compile(backend=BACKEND)), registered on the xla stack.
+# torch.compile(backend=BACKEND): :func:`backend`, named in pyproject.toml's entry points.
 BACKEND = "torch_pallas"
 
 # The out-of-place and in-place adds route_dropout offers to fuse: ``a + b`` and ``a += b``
@@ -140,19 +140,29 @@ def _same_tensor_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
             and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device))
 
 
-def _register_backend() -> None:
-    """Registers :data:`BACKEND`: openxla's AOTAutograd backend with
-    :func:`fuse_residual_dropouts` run on its forward and backward graphs first."""
+def backend(graph_module: torch.fx.GraphModule, example_inputs):
+    """The ``"torch_pallas"`` backend of ``torch.compile``: ``"openxla"``'s (AOTAutograd, then
+    torch_xla's dynamo bridge) with :func:`fuse_residual_dropouts` run on the forward and
+    backward graphs first. torch finds it by name through the package's
+    ``torch_dynamo_backends`` entry point, so ``import torch_pallas`` registers nothing.
+
+    Example::
+
+        >>> step = torch.compile(step, backend="torch_pallas", fullgraph=True)
+
+    Raises:
+        RuntimeError: torch_xla is not installed (on torchax, ``jax.jit`` of a step under
+            ``route_dropout(fuse_residual=True)`` fuses instead).
+    """
     from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.registry import register_backend
-    from torch._dynamo.backends.torchxla import openxla_eval_boxed
 
-    def compile_graph(graph_module, example_inputs):
-        fuse_residual_dropouts(graph_module)
-        return openxla_eval_boxed(graph_module, example_inputs)
+    xla = bridge.front_end("xla")
+    if xla is None:
+        raise RuntimeError(f"torch.compile(backend={BACKEND!r}) compiles with torch_xla, which is not installed; "
+                           "on torchax, jit a step run under torch_pallas.route_dropout(fuse_residual=True)")
 
-    register_backend(name=BACKEND, compiler_fn=aot_autograd(fw_compiler=compile_graph))
+    def fused_then_compiled(graph, inputs):
+        fuse_residual_dropouts(graph)
+        return xla.compile_aot_graph(graph, inputs)
 
-
-if bridge.STACK == "xla":
-    _register_backend()
+    return aot_autograd(fw_compiler=fused_then_compiled)(graph_module, example_inputs)

@@ -10,10 +10,8 @@ import torch.nn.functional as F
 from torchax.interop import jax_view, torch_view
 
 import torch_pallas
+from torch_pallas import residual_fusion
 from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy  # noqa: F401  (in_env: fixture)
-
-pytestmark = pytest.mark.usefixtures("in_env")
-
 
 def step(fuse_residual):
     def residual_block(x, residual, key):
@@ -32,6 +30,7 @@ def kernels(jitted, *args, dead_code_removed: bool) -> int:
     return str(jaxpr).count("pallas_call")
 
 
+@pytest.mark.usefixtures("in_env")
 def test_traced_residual_dropout_is_one_kernel_with_the_unfused_mask():
     rng = np.random.default_rng(0)
     x, residual = (jax_view(jax_tensor(rng.integers(-8, 8, SHAPE).astype(np.float32))) for _ in range(2))
@@ -46,3 +45,9 @@ def test_traced_residual_dropout_is_one_kernel_with_the_unfused_mask():
     with eager:  # eager torchax: the dropout kernel has run already, nothing is fused
         y = F.dropout(torch_view(x), 0.5)
     assert not hasattr(y, "_torch_pallas_drawn_dropout")
+
+
+def test_compile_backend_names_what_to_use_on_torchax():
+    # torch.compile(backend="torch_pallas") calls this (the package's entry point) with dynamo's graph.
+    with pytest.raises(RuntimeError, match="compiles with torch_xla, which is not installed; on torchax, jit"):
+        residual_fusion.backend(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [])

@@ -59,6 +59,13 @@ def runs_lazily(tensor: torch.Tensor) -> bool:
     return not torch_xla._XLAC._get_use_eager_mode()
 
 
+def compile_aot_graph(graph_module: torch.fx.GraphModule, example_inputs):
+    """An AOTAutograd graph compiled as torch.compile's ``"openxla"`` backend compiles it."""
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+    return openxla_eval_boxed(graph_module, example_inputs)
+
+
 @torch.compiler.assume_constant_result  # dynamo cannot trace into torch_xla's C++ bindings
 def default_device() -> torch.device:
     return torch_xla.device()
