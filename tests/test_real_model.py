@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as metrics
-from torch._dynamo.backends.torchxla import openxla
 
 import torch_pallas
+from torch_pallas import residual_fusion
 from kernel_calls import record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
@@ -127,12 +127,18 @@ def torchs_dropouts(graph: torch.fx.GraphModule) -> list[str]:
             and any(name in target for name in ("bernoulli", "dropout", "scaled_dot_product_attention"))]
 
 
-@pytest.mark.parametrize("make_model", [gpt2_on_sdpa, bert_on_sdpa, llama_on_sdpa])
-def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_and_trains(make_model):
+@pytest.mark.parametrize("make_model, residual_dropouts", [(gpt2_on_sdpa, 4), (bert_on_sdpa, 4), (llama_on_sdpa, 0)])
+def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_and_trains(make_model,
+                                                                                          residual_dropouts,
+                                                                                          monkeypatch):
     """README, Routing: every dropout of GPT-2, BERT and Llama on their default sdpa attention
     (attention dropout included) is torch_pallas's, eager and compiled. A padding mask makes
     transformers pass attn_mask to every layer. (A warning on a traced path once broke these
-    compiles, and torch_xla merged the layers' saved masks.)"""
+    compiles, and torch_xla merged the layers' saved masks.) Compiled with the torch_pallas
+    backend, the residual dropouts (two per layer; Llama has none) are fused into dropout_add."""
+    fused = []
+    fuse = residual_fusion.fuse_residual_dropouts
+    monkeypatch.setattr(residual_fusion, "fuse_residual_dropouts", lambda graph: fused.append(fuse(graph)))
     torch.manual_seed(0)
     model = make_model().to(torch_xla.device()).train()
     assert model.config._attn_implementation == "sdpa"
@@ -151,11 +157,11 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
     assert torch_xla._XLAC._get_xla_tensors_text([loss_of(ids, padding)]).count("bernoulli") == 0
     graphs = []
 
-    def inspecting_openxla(graph, example_inputs):
+    def inspecting_torch_pallas(graph, example_inputs):
         graphs.append(graph)
-        return openxla(graph, example_inputs)
+        return residual_fusion.backend(graph, example_inputs)
 
-    step = torch.compile(loss_of, backend=inspecting_openxla, fullgraph=True)
+    step = torch.compile(loss_of, backend=inspecting_torch_pallas, fullgraph=True)
     losses, compiles = [], []
     for _ in range(4):
         loss = step(ids, padding)
@@ -168,3 +174,4 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
     assert compiles[1] == compiles[-1], compiles
     assert losses[-1] < losses[0] - 0.3, losses
     assert len(graphs) == 1 and torchs_dropouts(graphs[0]) == []
+    assert fused[0] == residual_dropouts, fused  # the forward graph's; the backward fuses gradient sums too
