@@ -561,7 +561,9 @@ class OpEstimate:
     or a lone instruction such as the RNG) or ``"copy"`` (an async copy or slice the top-level
     program issues as a DMA: no code of its own). ``bundles`` issued by one run (on one
     TensorCore) and ``schedule_seconds`` (bundles / clock); ``hbm_bytes`` read and written and
-    ``hbm_seconds`` (bytes / HBM bandwidth); ``seconds`` is the longer of the two.
+    ``hbm_seconds`` (bytes / HBM bandwidth); ``seconds`` is the longer of the two. ``followed``
+    is False where its control flow branches on data (:func:`executed_schedule` cannot follow
+    it): its bundles are then :func:`static_schedule`'s, every conditional region counted.
     """
 
     name: str
@@ -570,6 +572,7 @@ class OpEstimate:
     schedule_seconds: float
     hbm_bytes: int
     hbm_seconds: float
+    followed: bool = True
 
     @property
     def seconds(self) -> float:
@@ -639,6 +642,29 @@ class StepEstimate:
         return "\n".join(lines)
 
 
+def _code_signature(hlo, instruction):
+    """What the code of an entry instruction depends on: its op, its result's and operands' types
+    and its attributes, or its fused computation, without instruction names and metadata."""
+    entry = entry_computation(hlo)
+    line = re.search(r"^\s*(?:ROOT )?%" + re.escape(instruction) + r" = .*$", entry, re.M).group(0)
+    types = {match.group(1): match.group(2) for match in map(_INSTRUCTION.match, entry.splitlines()) if match}
+    operands = [types.get(name, "") for name in re.findall(r"%([\w.-]+)", _INSTRUCTION.match(line).group(4))]
+    called = re.search(r"calls=%([\w.-]+)", line)
+    body = ""
+    if called:
+        start = re.search(r"^%" + re.escape(called.group(1)) + r" .*\{$", hlo, re.M)
+        body = hlo[start.end():hlo.index("\n}", start.end())] if start else called.group(1)
+    text = re.sub(r"%[\w.-]+|, metadata=\{[^}]*\}", "", line[line.index("=") + 1:] + body)
+    return text, tuple(operands)
+
+
+def _static_bundles(dump):
+    try:
+        return static_schedule(dump)["bundles"]
+    except (StopIteration, ValueError):  # a loop whose closing branch or body start the dump does not mark
+        return bundle_count(dump)
+
+
 def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     """Estimates one compiled program's time on one chip of ``generation`` from libtpu's dumps.
 
@@ -647,7 +673,8 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     HBM operands and results (:func:`hbm_bytes_by_instruction`), a kernel's the larger of that
     and the bytes its own DMAs move to and from HBM (DMAs issued x their sizes, read off its
     bundles: a flash kernel re-reads K and V once per query block). Each op takes the longer of
-    the two; async copies the top-level program issues take their HBM time. The sum, plus the
+    the two (an op whose branches depend on data counts :func:`static_schedule`'s bundles instead:
+    ``OpEstimate.followed``); async copies the top-level program issues take their HBM time. The sum, plus the
     top-level program's own bundles (each once: it launches every op once), is the estimate
     (:class:`StepEstimate`, which says what it leaves out).
 
@@ -676,23 +703,42 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     kernels = {match.group(1) for match in instructions
                if match and match.group(3) == "custom-call" and 'custom_call_target="tpu_custom_call"' in match.string}
     moved = hbm_bytes_by_instruction(hlo)
-    program_bundles, ops = 0, []
+    program_bundles, ops, runs = 0, [], {}
 
-    def op_estimate(name, kind, bundles, hbm):
+    def op_estimate(name, kind, bundles, hbm, followed=True):
         return OpEstimate(name=name, kind=kind, bundles=bundles, schedule_seconds=bundles / hardware.clock,
-                          hbm_bytes=hbm, hbm_seconds=hbm / hardware.hbm_bandwidth)
+                          hbm_bytes=hbm, hbm_seconds=hbm / hardware.hbm_bandwidth, followed=followed)
 
     for label, dump in final_bundles(dumps).items():
         if _is_program(label):
             program_bundles += bundle_count(dump)
             continue
         instruction = _instruction(label, dump)
-        run = executed_schedule(dump, generation, name=label)
         kind = "kernel" if instruction in kernels else "fusion"
         hbm = moved.pop(instruction, 0)
+        try:
+            run = executed_schedule(dump, generation, name=label)
+        except ValueError:
+            # A branch on a value from outside (data, a dynamic index): every loop at its trip count,
+            # every conditional region taken, instead.
+            ops.append(op_estimate(instruction, kind, _static_bundles(dump), hbm, followed=False))
+            continue
+        runs[_code_signature(hlo, instruction)] = (kind, run)
         if kind == "kernel" and run["hbm_dma_bytes"] is not None:
             hbm = max(hbm, run["hbm_dma_bytes"])
         ops.append(op_estimate(instruction, kind, run["bundles"], hbm))
+    # libtpu generates code once for instructions that compute the same thing (the same kernel
+    # on same-shaped operands, fusions of the same computation): they run the dumped one's.
+    for match in instructions:
+        if not match or match.group(1) not in moved:
+            continue
+        shared = runs.get(_code_signature(hlo, match.group(1)))
+        if shared:
+            kind, run = shared
+            hbm = moved.pop(match.group(1))
+            if kind == "kernel" and run["hbm_dma_bytes"] is not None:
+                hbm = max(hbm, run["hbm_dma_bytes"])
+            ops.append(op_estimate(match.group(1), kind, run["bundles"], hbm))
     ops += [op_estimate(name, "copy", 0, hbm) for name, hbm in moved.items() if hbm]
     return StepEstimate(generation=generation, program_bundles=program_bundles,
                         program_seconds=program_bundles / hardware.clock, ops=tuple(ops))
