@@ -238,7 +238,10 @@ def _scalar_ops(text):
                 predicate, rest = (guard.group(1) == "!", guard.group(2)), rest[:guard.start()]
         if name == "sbr.rel":
             target = re.search(r"target bundleno = (\d+) .*region = (\d+)", rest)
-            ops.append(("sbr", predicate, (int(target.group(1)), int(target.group(2)))))
+            if target:
+                ops.append(("sbr", predicate, (int(target.group(1)), int(target.group(2)))))
+            else:  # newer libtpu (0.0.52) names the region alone: "target = $region28"
+                ops.append(("sbr", predicate, (None, int(re.search(r"target = \$region(\d+)", rest).group(1)))))
             continue
         if name == "scalar_select":
             parts = re.findall(r"/\*(?:predicate|on_true|on_false)=\*/\s*([^,]+)", rest)
@@ -309,6 +312,10 @@ def executed_schedule(dump: str, generation: str, name: str = "the dump") -> dic
         candidates = marks.get(region, [])
         back = [i for i in candidates if i <= pc and bundles[i][1]]
         forward = [i for i in candidates if i > pc]
+        if bundleno is None:
+            # Without a bundle number, the region's mark says the direction: the empty region a
+            # forward branch lands on, or the loop head a branch back returns to.
+            bundleno = int(texts[pc].split()[0], 0) + (1 if forward or not back else 0)
         if bundleno <= int(texts[pc].split()[0], 0) and back:
             return back[-1]
         if bundleno > int(texts[pc].split()[0], 0) and forward:
