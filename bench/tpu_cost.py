@@ -12,20 +12,19 @@ compile-only client (torch_pallas.tpu_compile, interpret=False). Reported:
 
 - compile time; ``compiled.memory_analysis()`` (argument / output / temp bytes, generated code
   size); ``compiled.cost_analysis()`` (flops, bytes accessed);
-- from libtpu's own dump of the kernel's final VLIW bundles (``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR
-  --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles``): the static
-  schedule. Every loop's bundles are counted once per iteration (its trip count read from its
+- from libtpu's own dump of the kernel's final VLIW bundles (``tpu_compile.enable_estimates()``):
+  the static schedule (``torch_pallas.tpu_schedule.static_schedule``). Every loop's bundles are counted once per iteration (its trip count read from its
   ``loop exit test``); the grid loop's two pipeline stages that skip the body are left out. This
   gives the kernel's bundle count (= cycles if nothing stalls) per TensorCore, and its vector-ALU
   operations (``v*`` ops but loads, stores, syncs, vrng and the EUP's push/pop) per element;
 - the roofline: HBM bytes (from the BlockSpecs) at the published bandwidth vs the schedule's cycles
-  at the clock (constants in HARDWARE).
+  at the clock (constants in ``torch_pallas.tpu_schedule.HARDWARE``).
 
 Nothing runs on a TPU: the cycle counts are the compiler's schedule, not measurements, and DMA
 waits (the HBM-bound part) are not in them.
 
 The attention rows (``--only attention``; ``bench/tpu_cost_attention.py``) and the whole programs of
-``bench/tpu_peers.py`` count bundles with ``executed_schedule`` instead, which runs each kernel's (and
+``bench/tpu_peers.py`` count bundles with ``tpu_schedule.executed_schedule`` instead, which runs each kernel's (and
 XLA fusion's) scalar control flow so that regions under ``pl.when`` count as often as they run (it
 agrees with ``static_schedule`` within 1 % on the kernels above, which branch only around their
 pipeline's first and last steps).
@@ -34,28 +33,18 @@ pipeline's first and last steps).
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import functools
-import glob
 import importlib.metadata
 import itertools
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 
-DUMP = tempfile.mkdtemp(prefix="tpu_cost_llo_")
-atexit.register(shutil.rmtree, DUMP, ignore_errors=True)
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# Read when libtpu initialises, i.e. at the first compile below.
-os.environ["LIBTPU_INIT_ARGS"] = " ".join(filter(None, [
-    os.environ.get("LIBTPU_INIT_ARGS"), f"--xla_jf_dump_to={DUMP}", "--xla_jf_dump_llo_text=true",
-    "--xla_jf_dump_llo_pass_label_regex=final_bundles"]))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch_pallas  # noqa: E402,F401  (torch_xla before JAX; pins the Mosaic IR version libtpu accepts)
@@ -63,8 +52,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from common import markdown_table  # noqa: E402
-from torch_pallas import tpu_compile  # noqa: E402
+from torch_pallas import tpu_compile, tpu_schedule  # noqa: E402
 from torch_pallas.kernels import dropout, indrnn, sampling, tiling  # noqa: E402
+from torch_pallas.tpu_schedule import HARDWARE, static_schedule  # noqa: E402
+
+# libtpu's dump of each kernel's final bundles, read when libtpu initialises (at the first compile below).
+tpu_compile.enable_estimates()
 
 N = 2**22
 VIEW = (4096, 1024)         # 2**22 elements, the 2-D view every elementwise kernel uses at this size
@@ -74,18 +67,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Vector ops that use no vector-ALU slot: VMEM loads/stores, syncs, phis, mask moves, the hardware
 # PRNG's draw (vrng: bundled with four VALU ops), the EUP's transcendental pushes and result pops.
 NOT_VALU = re.compile(r"v(ld|st|syncpa|syncadd|pop\.eup|phi|mmov|rng)|v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos)\.f32")
-
-
-# HBM bandwidth (bytes/s; published, Cloud TPU system-architecture pages), clock (Hz; v5e and v5p
-# published in "How to Scale Your Model", v4 and v6e derived from peak bf16 FLOP/s) and vector ALUs
-# per (sublane, lane), i.e. VALU slots per bundle (v4 and v5p published there; all four read off the
-# bundles below). Sources and derivations: bench/results/tpu_cost.md.
-HARDWARE = {
-    "v4": dict(hbm=1200e9, clock=1.05e9, valus=2),
-    "v5e": dict(hbm=819e9, clock=1.5e9, valus=4),
-    "v5p": dict(hbm=2765e9, clock=1.75e9, valus=4),
-    "v6e": dict(hbm=1640e9, clock=1.75e9, valus=4),
-}
 
 
 def _elementwise_grid(itemsize, impl):
@@ -158,324 +139,16 @@ def what_if_configurations():
                        args=(KEY, jax.ShapeDtypeStruct(VIEW, dtype)))
 
 
-# --- the static schedule, from libtpu's final-bundles dump -------------------------------------------------------
-
-_BUNDLE = re.compile(r"\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{(.*)$")
-
-
-def _bundles(path):
-    """[(loop depth, starts a loop body, ops, text)] of one final_bundles dump, in address order."""
-    bundles = []
-    for line in open(path):
-        match = _BUNDLE.match(line)
-        if match:
-            ops = re.findall(r"= ([a-z][a-z0-9_.]*)", match.group(4))
-            bundles.append((len(match.group(3)), match.group(2) == "LB", ops, line))
-    return bundles
-
-
-def _loops(bundles):
-    """(first, last, trip) bundle index ranges of the loops. A loop's "loop exit test" compare (its
-    constant is the trip count) sets the predicate of the branch that closes it; the body starts
-    at the nearest "LB" (loop body) bundle of the test's nesting depth and ends with the branch's
-    delay slots (through the bundle marked "End region")."""
-    loops = []
-    for i, (_, _, _, text) in enumerate(bundles):
-        test = re.search(r"(%p[0-9a-z_]+) = scmp\.[a-z.0-9]+ %s[0-9a-z_]+, (\d+) /\* loop exit test", text)
-        if not test:
-            continue
-        branch = next(j for j in range(i, len(bundles)) if f"sbr.rel (!{test.group(1)})" in bundles[j][3])
-        first = max(j for j in range(i + 1) if bundles[j][1] and bundles[j][0] == bundles[i][0])
-        last = next((j for j in range(branch, min(branch + 5, len(bundles))) if "End region" in bundles[j][3]), branch)
-        loops.append((first, last, int(test.group(2))))
-    return sorted(loops)
-
-
-def static_schedule(path):
-    """Bundles (cycles if nothing stalls) and vector-ALU ops of one kernel run on one TensorCore,
-    and the number of grid steps it runs."""
-    bundles = _bundles(path)
-    loops = _loops(bundles)
-    valu = [sum(1 for op in ops if op.startswith("v") and not NOT_VALU.fullmatch(op)) for _, _, ops, _ in bundles]
-    # The grid loop (the outermost) runs two more iterations than grid steps, the pipeline's first
-    # copy-in and last copy-out, which branch around the body: count the body grid-steps times.
-    outermost = [loop for loop in loops if not any(o[0] <= loop[0] and loop[1] <= o[1] and o != loop for o in loops)]
-    grid_steps = outermost[0][2] - 2 if len(outermost) == 1 else None
-
-    def cost(first, last):
-        """(bundles, valu ops) of one pass over bundles first..last, each inner loop trip times."""
-        cycles = ops = 0
-        i = first
-        while i <= last:
-            inner = next((loop for loop in loops
-                          if loop[0] == i and loop[1] <= last and (loop[0], loop[1]) != (first, last)), None)
-            if inner is None:
-                cycles, ops, i = cycles + 1, ops + valu[i], i + 1
-                continue
-            trip = grid_steps if grid_steps is not None and inner == outermost[0] else inner[2]
-            body_cycles, body_ops = cost(inner[0], inner[1])
-            cycles, ops, i = cycles + trip * body_cycles, ops + trip * body_ops, inner[1] + 1
-        return cycles, ops
-
-    cycles, ops = cost(0, len(bundles) - 1)
-    return {"bundles": cycles, "valu_ops": ops, "grid_trip": grid_steps, "max_valu_per_bundle": max(valu)}
-
-
-# --- the executed schedule: the scalar unit's control flow, run -------------------------------------------------
-#
-# static_schedule counts every bundle of a loop body once per iteration, the bodies of `pl.when` regions
-# included. That is exact for the elementwise kernels (no conditional regions) but not for kernels whose
-# grid steps branch: a flash-attention step initialises its accumulators only at the first key block,
-# writes its output only at the last, and (causal) skips blocks above the diagonal. executed_schedule
-# follows the kernel's control flow instead: it runs the bundles' scalar ops (the sequencer's integer and
-# predicate arithmetic, SMEM spills; all of them are functions of the grid indices) and takes each branch
-# as the hardware would, counting how many times each bundle issues.
-
-_MASK32 = 2**32 - 1
-# Bundles that issue after a branch before it takes effect: 1 on v4, 4 on v5e, v5p and v6e (read off the
-# dumps: the bundles after a branch hold the region's ops predicated on the branch's negation).
-BRANCH_DELAY_SLOTS = {"v4": 1, "v5e": 4, "v5p": 4, "v6e": 4}
-_OP = re.compile(r"(?:%(?:[sp]\d+_([sp]\d+)|[\w.]+) = )?([a-z_][\w.]*)\s*(.*)")
-_PREDICATE = re.compile(r"\((!?)%p\w*_(p\d+)(?:, %\w+)?\)\s*,?\s*")
-_SIGNED = lambda x: x - 2**32 if x >= 2**31 else x  # noqa: E731
-_BINARY = {
-    "sadd.s32": lambda a, b: (a + b) & _MASK32, "ssub.s32": lambda a, b: (a - b) & _MASK32,
-    "smul.u32": lambda a, b: (a * b) & _MASK32, "sand.u32": lambda a, b: a & b, "sor.u32": lambda a, b: a | b,
-    "sxor.u32": lambda a, b: a ^ b, "sshll.u32": lambda a, b: (a << (b & 31)) & _MASK32,
-    "sshrl.u32": lambda a, b: a >> (b & 31), "sshra.s32": lambda a, b: (_SIGNED(a) >> (b & 31)) & _MASK32,
-    "pnand": lambda a, b: not (a and b), "por": lambda a, b: bool(a or b), "pand": lambda a, b: bool(a and b),
-}
-for _name, _compare in (("eq", lambda a, b: a == b), ("ne", lambda a, b: a != b), ("lt", lambda a, b: a < b),
-                        ("le", lambda a, b: a <= b), ("gt", lambda a, b: a > b), ("ge", lambda a, b: a >= b)):
-    _BINARY[f"scmp.{_name}.s32.totalorder"] = lambda a, b, c=_compare: c(_SIGNED(a), _SIGNED(b))
-    _BINARY[f"scmp.{_name}.u32.totalorder"] = _compare
-
-
-def _operand(text):
-    """('reg', name) / ('imm', value) / ('mem', address text) / ('?', text) of one operand."""
-    text = re.sub(r"/\*.*?\*/", "", text).strip()
-    register = re.fullmatch(r"%[sp]\w*_([sp]\d+)", text)
-    if register:
-        return ("reg", register.group(1))
-    if re.fullmatch(r"-?\d+", text):
-        return ("imm", int(text) & _MASK32)
-    memory = re.fullmatch(r"\[smem:\[(.*)\]\]", text)
-    if memory:
-        return ("mem", memory.group(1))
-    return ("?", text)
-
-
-def _scalar_ops(text):
-    """The ops of one bundle the interpreter runs: (dest register or None, op, predicate (negated,
-    register) or None, operands); a branch as ("sbr", predicate, region)."""
-    ops = []
-    for raw in text[text.index("{") + 1:].split(";;"):
-        op_text = re.sub(r"/\*(?!predicate=|on_true=|on_false=).*?(\*/|$)", "", raw).strip()
-        if op_text.endswith("}"):
-            op_text = op_text[:-1].strip()
-        match = _OP.match(op_text)
-        if not match:
-            continue
-        dest, name, rest = match.groups()
-        if name == "sld" and "/* core id */" in raw:
-            # The TensorCore's index (v5p's megacore splits "parallel" grids over two): count core 0's work.
-            ops.append((dest, "smov", None, [("imm", 0)]))
-            continue
-        if name.startswith(("v", "dma", "int_to_ptr")) or name in ("sphi", "shalt.err", "sfence"):
-            # Vector and DMA ops; phis are copies into the same physical register after allocation, and
-            # int_to_ptr retypes the register it reads (it shares a bundle with the op that wrote it).
-            continue
-        predicate = None
-        guard = _PREDICATE.match(rest)
-        if guard:
-            predicate, rest = (guard.group(1) == "!", guard.group(2)), rest[guard.end():]
-        else:  # a predicate may also follow the operands: sld [smem:[...]] (%p1_p13)
-            guard = re.search(r"\s*\((!?)%p\w*_(p\d+)\)\s*$", rest)
-            if guard:
-                predicate, rest = (guard.group(1) == "!", guard.group(2)), rest[:guard.start()]
-        if name == "sbr.rel":
-            target = re.search(r"target bundleno = (\d+) .*region = (\d+)", rest)
-            ops.append(("sbr", predicate, (int(target.group(1)), int(target.group(2)))))
-            continue
-        if name == "scalar_select":
-            parts = re.findall(r"/\*(?:predicate|on_true|on_false)=\*/\s*([^,]+)", rest)
-            ops.append((dest, name, predicate, [_operand(p) for p in parts]))
-            continue
-        if dest is None and name != "sst":
-            continue
-        if name == "sst":
-            address, value = re.match(r"(\[smem:\[.*?\]\])\s*(.*)", rest).groups()
-            ops.append((None, name, predicate, [_operand(address), _operand(value)]))
-            continue
-        ops.append((dest, name, predicate, [_operand(p) for p in rest.split(",")] if rest.strip() else []))
-    return ops
-
-
-def _address(operand, registers):
-    """An SMEM address's key: its allocation text, with a register's value where it has one."""
-    text = operand[1]
-    register = re.fullmatch(r"%[sp]\w*_([sp]\d+)(.*)", text)
-    if register:
-        value = registers.get(register.group(1))
-        return None if value is None else f"{value}{register.group(2)}"
-    return text
-
-
-def executed_schedule(path, delay_slots):
-    """Bundles issued by one run of a compiled kernel (or XLA fusion), following its control flow:
-    the scalar unit's ops are interpreted (integer arithmetic, compares, predicates, SMEM spills),
-    branches taken as their predicates say after ``delay_slots`` bundles. Values the sequencer reads
-    from outside (operand addresses, key words in SMEM, vector results popped to scalars) are unknown;
-    a branch on an unknown value raises ValueError (none of the kernels here has one).
-
-    Returns {"bundles": total issued, "counts": issues per bundle (in dump order), "ops": [op names per
-    bundle]}."""
-    bundles = _bundles(path)
-    texts = [text for _, _, _, text in bundles]
-    n = len(bundles)
-    # A branch names the region it goes to: a branch back, the loop whose head starts that region (an
-    # "LB" bundle, "Start region N"); a branch forward, around a skipped region, the empty region that
-    # marks where it lands ("Start/End empty region N", a "PF" bundle). (Its "bundleno" is not the dump's
-    # bundle index: it counts instruction words, and long bundles take more than one.)
-    marks = {}
-    for i, text in enumerate(texts):
-        for region in re.findall(r"Start(?:/End empty)? region (\d+)\b", text):
-            marks.setdefault(int(region), []).append(i)
-
-    def target_of(pc, bundleno, region):
-        candidates = marks.get(region, [])
-        back = [i for i in candidates if i <= pc and bundles[i][1]]
-        forward = [i for i in candidates if i > pc]
-        if bundleno <= int(texts[pc].split()[0], 0) and back:
-            return back[-1]
-        if bundleno > int(texts[pc].split()[0], 0) and forward:
-            return forward[0]
-        if bundleno > int(texts[pc].split()[0], 0) and "exit bundle" in texts[-1]:
-            return n - 1  # a branch to the program's end (v5p: the second TensorCore skipping a fusion)
-        raise ValueError(f"{os.path.basename(path)}: no target for the branch at bundle {pc} (bundle number "
-                         f"{bundleno}, region {region})")
-
-    program = [_scalar_ops(text) for text in texts]
-    interesting = [bool(ops) for ops in program]
-    next_interesting = [n] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        next_interesting[i] = i if interesting[i] else next_interesting[i + 1]
-    registers, memory = {}, {}
-    difference = [0] * (n + 1)
-    pc, pending, issued = 0, None, 0
-
-    def value(operand):
-        kind, content = operand
-        if kind == "imm":
-            return content
-        if kind == "reg":
-            return registers.get(content)
-        return None
-
-    steps = 0
-    while pc < n:
-        steps += 1
-        if steps > 10**8:
-            raise ValueError(f"{os.path.basename(path)}: still running after 10^8 interpreted bundles")
-        if pending is None and not interesting[pc]:
-            # Straight through the bundles that hold no scalar op.
-            stop = next_interesting[pc]
-            difference[pc] += 1
-            difference[stop] -= 1
-            issued += stop - pc
-            pc = stop
-            if pc >= n:
-                break
-        difference[pc] += 1
-        difference[pc + 1] -= 1
-        issued += 1
-        writes, branch = [], None
-        for op in program[pc]:
-            if op[0] == "sbr":
-                _, predicate, region = op
-                taken = True
-                if predicate is not None:
-                    flag = registers.get(predicate[1])
-                    if flag is None:
-                        raise ValueError(f"{os.path.basename(path)}: the branch at bundle {pc} depends on an unknown "
-                                         f"predicate ({predicate[1]})")
-                    taken = (not flag) if predicate[0] else bool(flag)
-                branch = (taken, target_of(pc, *region) if taken else None)
-                continue
-            dest, name, predicate, operands = op
-            if predicate is not None:
-                flag = registers.get(predicate[1])
-                if flag is None:
-                    if dest is not None:
-                        writes.append((dest, None))
-                    continue
-                if flag == predicate[0]:  # (!p) with p true, or (p) with p false: the op does not issue
-                    continue
-            if name == "sst":
-                address = _address(operands[0], registers)
-                if address is not None:
-                    writes.append((("mem", address), value(operands[1])))
-                continue
-            if name == "sld":
-                address = _address(operands[0], registers) if operands[0][0] == "mem" else None
-                result = memory.get(address)
-            elif name in ("smov", "pmov"):
-                result = value(operands[0]) if operands else None
-            elif name == "pneg":
-                flag = value(operands[0])
-                result = None if flag is None else not flag
-            elif name == "scalar_select":
-                flag, on_true, on_false = (value(o) for o in operands)
-                result = None if flag is None else (on_true if flag else on_false)
-            elif name in _BINARY and len(operands) == 2:
-                a, b = value(operands[0]), value(operands[1])
-                result = None if a is None or b is None else _BINARY[name](a, b)
-            else:
-                result = None  # addresses, pops from vector units, parameters: not needed for control flow
-            writes.append((dest, result))
-        for dest, result in writes:
-            if isinstance(dest, tuple):
-                memory[dest[1]] = result
-            else:
-                registers[dest] = result
-        if pending is not None:
-            pending[0] -= 1
-        if branch is not None:
-            if pending is not None:
-                raise ValueError(f"{os.path.basename(path)}: a branch in another branch's delay slots at bundle {pc}")
-            pending = [delay_slots, *branch]
-        pc += 1
-        if pending is not None and pending[0] == 0:
-            _, taken, target = pending
-            pending = None
-            if taken:
-                pc = target
-        elif pending is not None and pending[0] > 0 and pc >= n:
-            break
-    counts, running = [], 0
-    for i in range(n):
-        running += difference[i]
-        counts.append(running)
-    return {"bundles": issued, "counts": counts, "ops": [ops for _, _, ops, _ in bundles]}
-
-
-def kernel_dumps(before):
-    """The final_bundles dumps of the Pallas kernels (custom calls) compiled since ``before``."""
-    new = sorted(set(glob.glob(os.path.join(DUMP, "*final_bundles.txt"))) - before)
-    return [path for path in new if "schedule-analysis" not in path and "-TLP-" not in path
-            and "= custom-call(" in open(path).read()]
-
-
 # --- one compile ------------------------------------------------------------------------------------------------
 
 def measure(function, args, generation):
-    before = set(glob.glob(os.path.join(DUMP, "*")))
-    start = time.perf_counter()
-    compiled = tpu_compile.compile_for_tpu(function, *args, generation=generation)
-    seconds = time.perf_counter() - start
+    with tpu_compile.compiler_dumps() as dumps:
+        start = time.perf_counter()
+        compiled = tpu_compile.compile_for_tpu(function, *args, generation=generation)
+        seconds = time.perf_counter() - start
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    schedules = [static_schedule(path) for path in kernel_dumps(before)]
+    schedules = [static_schedule(dump) for dump in tpu_schedule.kernel_dumps(dumps).values()]
     return {
         "compile_s": seconds, "memory": memory, "cost": cost,
         "serialized_bytes": len(compiled.runtime_executable().serialize()), "hlo_text_chars": len(compiled.as_text()),
@@ -535,9 +208,9 @@ def elementwise_and_recurrence(selected, options):
             cores = c["grid"] // r["grid_steps"] if r["grid_steps"] else 1
             valu_per_element = r["valu_ops"] * 1024 / (N / cores)    # vector ops act on 8 x 128 32-bit lanes
             bundles_per_vreg = r["bundles"] * 1024 / (N / cores)
-            memory_us = c["bytes"] / hw["hbm"] * 1e6
-            valu_us = r["valu_ops"] / (hw["valus"] * hw["clock"]) * 1e6
-            schedule_us = r["bundles"] / hw["clock"] * 1e6
+            memory_us = c["bytes"] / hw.hbm_bandwidth * 1e6
+            valu_us = r["valu_ops"] / (hw.valu_slots * hw.clock) * 1e6
+            schedule_us = r["bundles"] / hw.clock * 1e6
             bound = "memory" if memory_us >= schedule_us else "compute"
             ratio = max(memory_us, schedule_us) / min(memory_us, schedule_us)
             compile_cells.append(f"{r['compile_s']:.2f} s / {m.generated_code_size_in_bytes / 2**10:.0f} / "
@@ -587,6 +260,4 @@ def elementwise_and_recurrence(selected, options):
 
 
 if __name__ == "__main__":
-    # tpu_peers and tpu_cost_attention import this module: let them find this instance (its DUMP).
-    sys.modules.setdefault("tpu_cost", sys.modules[__name__])
     main()

@@ -20,7 +20,7 @@ and the gradients of q, k, v for an incoming gradient; inputs key, q, k, v and t
   of ``out.backward(g)``) compiled by ``tpu_compile.compile_graph``.
 
 Reported per generation: the whole program's schedule (``tpu_peers.program_schedule``: its top-level
-program plus every fusion and kernel, each counted by ``tpu_cost.executed_schedule``, which follows
+program plus every fusion and kernel, each counted by ``torch_pallas.tpu_schedule.executed_schedule``, which follows
 the kernels' branches: a flash step initialises and writes its output only at its first and last key
 block, and causal steps above the diagonal skip their work), peak HBM (``peak_memory_in_bytes``), and
 for the forward kernels the vector ops per score element by unit.
@@ -29,23 +29,20 @@ for the forward kernels the vector ops per score element by unit.
 from __future__ import annotations
 
 import functools
-import glob
 import math
-import os
 import re
 import sys
 import time
 
-import tpu_cost  # noqa: F401  (the one instance: tpu_cost.py run as a script registers itself under this name)
-from tpu_cost import BRANCH_DELAY_SLOTS, DUMP, HARDWARE, executed_schedule, static_schedule, kernel_dumps
 import tpu_peers
 
 import jax
 import jax.numpy as jnp
 
 from common import markdown_table
-from torch_pallas import tpu_compile
+from torch_pallas import tpu_compile, tpu_schedule
 from torch_pallas.kernels import attention
+from torch_pallas.tpu_schedule import HARDWARE, executed_schedule, static_schedule
 
 SHAPES = ((2, 8, 2048, 64), (2, 8, 2048, 128))
 DTYPE = "bfloat16"
@@ -165,19 +162,15 @@ def torch_math_graphs(shape, causal):
 def measure(compile_program, generation):
     """Compiles (``compile_program()`` returns the peak HBM bytes) and reads the schedule of
     everything compiled: the whole program's bundles, and each Pallas kernel's run and ops."""
-    before = set(glob.glob(os.path.join(DUMP, "*")))
-    start = time.perf_counter()
-    peak = compile_program()
-    seconds = time.perf_counter() - start
-    runs = {}
-
-    def schedule(path):
-        runs[path] = executed_schedule(path, BRANCH_DELAY_SLOTS[generation])
-        return runs[path]["bundles"]
-    bundles, parts, hlo = tpu_peers.program_schedule(before, schedule=schedule)
-    kernels = kernel_dumps(before)
-    return dict(seconds=seconds, peak=peak, bundles=bundles, parts=parts, hbm=tpu_peers.hbm_bytes(hlo or ""),
-                kernels=[(os.path.basename(path), runs[path], static_schedule(path)["grid_trip"]) for path in kernels])
+    with tpu_compile.compiler_dumps() as dumps:
+        start = time.perf_counter()
+        peak = compile_program()
+        seconds = time.perf_counter() - start
+    bundles, parts = tpu_peers.program_schedule(dumps, generation)
+    kernels = [(label, executed_schedule(dump, generation, name=label), static_schedule(dump)["grid_trip"])
+               for label, dump in tpu_schedule.kernel_dumps(dumps).items()]
+    return dict(seconds=seconds, peak=peak, bundles=bundles, parts=parts,
+                hbm=tpu_schedule.hbm_bytes(tpu_schedule.optimized_hlo(dumps)), kernels=kernels)
 
 
 def _compile_jax(function, args, generation):
@@ -236,7 +229,7 @@ def run(generations):
 
 
 def _us(bundles, generation):
-    return bundles / HARDWARE[generation]["clock"] * 1e6
+    return bundles / HARDWARE[generation].clock * 1e6
 
 
 def report(results, errors, generations):
@@ -266,7 +259,7 @@ def report(results, errors, generations):
     # Ratios: ours at p=0 against JAX's flash attention (default blocks, and ours), the dropout's extra.
     def bound_us(r, g):
         """max(schedule, HBM time): the program's time if nothing else stalls it."""
-        return max(_us(r["bundles"], g), r["hbm"] / HARDWARE[g]["hbm"] * 1e6)
+        return max(_us(r["bundles"], g), r["hbm"] / HARDWARE[g].hbm_bandwidth * 1e6)
 
     def ratio(shape, causal, pass_name, a, b, g, percent=False, bound=False):
         la, lb = (shape, causal, pass_name, a, g), (shape, causal, pass_name, b, g)
@@ -308,11 +301,11 @@ def report(results, errors, generations):
                 rows.append([str(shape), "yes" if causal else "no", program] + [
                     cell((shape, causal, "forward+backward", program, g),
                          lambda r, g=g: f"{r['peak'] / 2**20:.0f} / {r['hbm'] / 2**20:.0f} / "
-                                        f"{r['hbm'] / HARDWARE[g]['hbm'] * 1e6:.0f}")
+                                        f"{r['hbm'] / HARDWARE[g].hbm_bandwidth * 1e6:.0f}")
                     for g in generations])
     lines.append("**Peak HBM, forward+backward**: peak MiB (`peak_memory_in_bytes` of the compiled program: inputs "
                  "(key,) q, k, v, the output's gradient; outputs the output and q, k, v's gradients) / MiB the "
-                 "optimised HLO moves to and from HBM (`tpu_peers.hbm_bytes`: each fusion's and kernel's HBM "
+                 "optimised HLO moves to and from HBM (`tpu_schedule.hbm_bytes`: each fusion's and kernel's HBM "
                  "operands and results once; a flash kernel re-reads K and V once per query block, which this "
                  "leaves out where they are in HBM) / that at the published bandwidth, µs.\n")
     lines.append(markdown_table(["(B, H, L, E)", "causal", "program", *generations], rows))

@@ -16,10 +16,10 @@ compile-only client (nothing runs on a TPU):
   ``tpu_compile.compile_for_tpu``.
 
 Reported per generation: the compiler's static schedule of the whole program (bundles / clock,
-summed over every fusion and kernel, each run through its control flow by
-``tpu_cost.executed_schedule`` on libtpu's final-bundles dumps: see ``program_schedule``), HBM bytes
-(``hbm_bytes``: from the optimised HLO's buffer placement; the ``cost_analysis()`` total counts
-buffers the compiler keeps out of HBM) and their time at the published bandwidth, peak memory
+summed over its top-level program and every fusion and kernel, each run through its control flow by
+``torch_pallas.tpu_schedule.executed_schedule`` on libtpu's final-bundles dumps: the ``bundles`` of
+``tpu_schedule.estimate``), HBM bytes (``tpu_schedule.hbm_bytes``: from the optimised HLO's buffer
+placement; the ``cost_analysis()`` total counts buffers the compiler keeps out of HBM) and their time at the published bandwidth, peak memory
 (``peak_memory_in_bytes``), temporaries, and what the backward reads of the forward (from the
 optimised HLO: a saved mask, or the RNG recomputed from the key).
 """
@@ -27,7 +27,6 @@ optimised HLO: a saved mask, or the RNG recomputed from the key).
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.metadata
 import math
 import os
@@ -35,15 +34,20 @@ import re
 import sys
 import time
 
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_cost  # noqa: E402  (first: sets libtpu's dump flags before anything initialises it)
-from tpu_cost import BRANCH_DELAY_SLOTS, DUMP, HARDWARE, _bundles, executed_schedule  # noqa: E402
 
+import torch_pallas  # noqa: E402,F401  (torch_xla before JAX; pins the Mosaic IR version libtpu accepts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from common import markdown_table  # noqa: E402
-from torch_pallas import tpu_compile  # noqa: E402
+from torch_pallas import tpu_compile, tpu_schedule  # noqa: E402
+from torch_pallas.tpu_schedule import HARDWARE, HLO_ARRAY  # noqa: E402
+
+# libtpu's dump of each compile's code, read when libtpu initialises (``GENERATIONS`` below).
+tpu_compile.enable_estimates()
 
 P = 0.1
 PEERS = ("torch F.dropout", "jax threefry2x32", "jax rbg", "jax unsafe_rbg",
@@ -51,83 +55,14 @@ PEERS = ("torch F.dropout", "jax threefry2x32", "jax rbg", "jax unsafe_rbg",
          "torch_pallas dropout_add threefry", "torch_pallas dropout_add hardware")
 
 
-# --- the static schedule of a whole program -----------------------------------------------------------------------
-
-def program_schedule(before, schedule):
-    """The schedule of the program compiled since ``before`` (a set of dump paths): bundles of its
-    top-level program (the sequencer that launches each fusion and kernel once; straight line here),
-    plus ``schedule(path)``'s bundles for each XLA fusion and Pallas kernel (``measure`` passes
-    ``tpu_cost.executed_schedule``'s, which follows each one's control flow, so that an XLA fusion's
-    guarded body counts its windows and a Pallas kernel's pipeline-only grid steps are left out). The
-    programs here have no loops at top level, so every fusion and kernel runs once. Returns (total
-    bundles, {dump name: bundles}) and the optimised HLO."""
-    new = sorted(set(glob.glob(os.path.join(DUMP, "*"))) - before)
-    parts, hlo = {}, None
-    for path in new:
-        name = os.path.basename(path)
-        if name.endswith("-TLP-hlo.txt"):
-            hlo = open(path).read()
-        if not name.endswith("final_bundles.txt") or "schedule-analysis" in name:
-            continue
-        label = re.sub(r"^\d+-|-\d+-final_bundles\.txt$", "", name)
-        parts[label] = len(_bundles(path)) if "-TLP" in name or label == "TLP" else schedule(path)
-
-    return sum(parts.values()), parts, hlo
-
-
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]\{([^}]*)\}")
-_BITS = {"pred": 8}
-_MOVES = ("fusion", "custom-call", "rng-bit-generator", "copy-start", "slice-start", "copy", "add", "multiply",
-          "select", "convert", "concatenate", "dynamic-update-slice")
-
-
-def _hbm_arrays(type_text):
-    """Bytes of each array in an HLO type that lives in HBM (no ``S(n)`` memory space: S(1) is VMEM)."""
-    sizes = []
-    for dtype, dims, layout in _ARRAY.findall(type_text):
-        if "S(" in layout:
-            sizes.append(0)
-            continue
-        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype))
-        sizes.append(math.prod(int(d) for d in dims.split(",") if d) * bits // 8)
-    return sizes
-
-
-def hbm_bytes(hlo):
-    """HBM bytes read and written by the entry computation of an optimised HLO module: for each
-    instruction that moves data (fusions, custom calls (Pallas kernels among them), the RNG,
-    copies and slices), its HBM operands read once and its HBM results written once. Buffers the
-    compiler placed in VMEM (layout ``S(1)``: v5e and v6e put whole 16 MiB masks and copies there)
-    cost no HBM traffic. Async ``copy-start`` / ``slice-start`` read their source (the slice only)
-    and write their destination."""
-    entry = hlo[hlo.find("\nENTRY"):]
-    types = {}
-    total = 0
-    for line in entry.splitlines():
-        match = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (.*?) ([\w-]+)\((.*?)\)(?:, |$)", line)
-        if not match:
-            continue
-        name, type_text, op, operands = match.groups()
-        types[name] = type_text
-        if op not in _MOVES:
-            continue
-        results = _hbm_arrays(type_text)
-        if op in ("copy-start", "slice-start"):
-            # copy-start gives (destination, source, context) (its copy-done returns the
-            # first), slice-start ((source), destination, context). The bytes moved are the
-            # destination's, read from the source and written to the destination, each costing
-            # HBM traffic where it lives in HBM (a prefetch into VMEM, S(1), reads HBM once).
-            arrays = _ARRAY.findall(type_text)
-            destination_index = 0 if op == "copy-start" else 1
-            dtype, dims, _ = arrays[destination_index]
-            moved = math.prod(int(d) for d in dims.split(",") if d) * (_BITS.get(dtype) or int(re.sub(r"\D", "", dtype))) // 8
-            source = _hbm_arrays(types.get(operands.strip("%"), ""))
-            total += (moved if source and source[0] else 0) + (moved if results[destination_index] else 0)
-            continue
-        total += sum(results)
-        for operand in re.findall(r"%([\w.-]+)", operands):
-            total += sum(_hbm_arrays(types.get(operand, "")))
-    return total
+def program_schedule(dumps, generation):
+    """The schedule of one compiled program (its ``tpu_compile.compiler_dumps()``): total bundles
+    (``tpu_schedule.estimate``'s: its top-level program, straight line here, plus each XLA fusion
+    and Pallas kernel run through its control flow, so that a fusion's guarded body counts its
+    windows and a kernel's pipeline-only grid steps are left out) and {part: bundles}."""
+    step = tpu_schedule.estimate(dumps, generation)
+    parts = {"TLP": step.program_bundles, **{op.name: op.bundles for op in step.ops if op.kind != "copy"}}
+    return step.bundles, parts
 
 
 # --- the programs --------------------------------------------------------------------------------------------------
@@ -182,20 +117,20 @@ def compile_torch(peer, shape, dtype, generation):
 
 
 def measure(peer, shape, dtype, generation):
-    before = set(glob.glob(os.path.join(DUMP, "*")))
-    start = time.perf_counter()
-    if peer.startswith("jax"):
-        memory, cost = compile_jax(peer.split()[1], shape, getattr(jnp, dtype), generation)
-        peak, temp = memory.peak_memory_in_bytes, memory.temp_size_in_bytes
-    else:
-        compiled = compile_torch(peer, shape, dtype, generation)
-        peak, temp, cost = compiled.peak_bytes, compiled.temp_bytes, compiled.cost
-    seconds = time.perf_counter() - start
-    bundles, parts, hlo = program_schedule(
-        before, lambda path: executed_schedule(path, BRANCH_DELAY_SLOTS[generation])["bundles"])
-    return dict(seconds=seconds, peak=peak, temp=temp, bytes=hbm_bytes(hlo), xla_bytes=cost.get("bytes accessed", 0.0),
-                bundles=bundles,
-                parts=parts, saved=saved_for_backward(peer, hlo or "", math.prod(shape)))
+    with tpu_compile.compiler_dumps() as dumps:
+        start = time.perf_counter()
+        if peer.startswith("jax"):
+            memory, cost = compile_jax(peer.split()[1], shape, getattr(jnp, dtype), generation)
+            peak, temp = memory.peak_memory_in_bytes, memory.temp_size_in_bytes
+        else:
+            compiled = compile_torch(peer, shape, dtype, generation)
+            peak, temp, cost = compiled.peak_bytes, compiled.temp_bytes, compiled.cost
+        seconds = time.perf_counter() - start
+    bundles, parts = program_schedule(dumps, generation)
+    hlo = tpu_schedule.optimized_hlo(dumps)
+    return dict(seconds=seconds, peak=peak, temp=temp, bytes=tpu_schedule.hbm_bytes(hlo),
+                xla_bytes=cost.get("bytes accessed", 0.0), bundles=bundles, parts=parts,
+                saved=saved_for_backward(peer, hlo, math.prod(shape)))
 
 
 def saved_for_backward(peer, hlo, numel):
@@ -204,13 +139,13 @@ def saved_for_backward(peer, hlo, numel):
     where the compiler placed them (S(n): a memory space other than HBM), or nothing but the key."""
     if peer.startswith("torch_pallas"):
         return "the 8-byte key (both kernels take it; no mask buffer)"
-    entry = hlo[hlo.find("\nENTRY"):]
+    entry = tpu_schedule.entry_computation(hlo)
     found = []
     for line in entry.splitlines():
         match = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (.*?) ([\w-]+)\(", line)
         if not match or match.group(3) in ("get-tuple-element", "bitcast", "tuple", "parameter"):
             continue
-        for dtype, dims, layout in _ARRAY.findall(match.group(2)):
+        for dtype, dims, layout in HLO_ARRAY.findall(match.group(2)):
             if dtype in ("pred", "u8", "s8", "u32", "s32") and math.prod(int(d) for d in dims.split(",") if d) == numel:
                 place = "HBM" if "S(" not in layout else re.search(r"S\(\d+\)", layout).group(0)
                 found.append(f"{dtype} {'mask' if dtype == 'pred' else 'bits'} from {match.group(3)} ({place})")
@@ -238,8 +173,8 @@ def main():
                 for generation in options.generations:
                     r = measure(peer, shape, dtype, generation)
                     hw = HARDWARE[generation]
-                    schedule_us = r["bundles"] / hw["clock"] * 1e6
-                    hbm_us = r["bytes"] / hw["hbm"] * 1e6
+                    schedule_us = r["bundles"] / hw.clock * 1e6
+                    hbm_us = r["bytes"] / hw.hbm_bandwidth * 1e6
                     cells.append((schedule_us, hbm_us, r))
                     saved[peer, dtype] = r["saved"] if generation == options.generations[0] else saved[peer, dtype]
                     parts.append([f"2^{log2}", dtype, peer, generation,
@@ -250,8 +185,8 @@ def main():
     libtpu = importlib.metadata.version("libtpu")
     print(f"Generated by `.venv/bin/python bench/tpu_peers.py` (libtpu {libtpu}'s compile-only client, "
           f"jax {jax.__version__}). Per generation: the whole program's static schedule in µs (bundles / clock, "
-          "summed over its fusions and kernels, each counted by `tpu_cost.executed_schedule`) / HBM time in µs "
-          "(bytes the optimised HLO moves to and from HBM, `hbm_bytes`, / published bandwidth) / peak MiB "
+          "summed over its fusions and kernels, each counted by `tpu_schedule.executed_schedule`) / HBM time in µs "
+          "(bytes the optimised HLO moves to and from HBM, `tpu_schedule.hbm_bytes`, / published bandwidth) / peak MiB "
           "(`peak_memory_in_bytes`) / temp MiB. Nothing ran on a TPU.\n")
     print(markdown_table(["elements", "dtype", "peer", *options.generations], rows))
     print(f"\n**What the backward reads of the forward** (optimised HLO, {options.generations[0]}, the largest size):\n")

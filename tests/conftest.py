@@ -25,6 +25,10 @@ from torch_pallas import bridge, tpu_compile  # noqa: E402
 
 STACK = bridge.STACK
 ON_TPU = bridge.on_tpu()
+if tpu_compile.available() and not ON_TPU:
+    # libtpu reads its dump flags once, when it initialises (at collection: GENERATIONS): the
+    # time estimates of the TPU-compile tier (tpu_schedule) read the dumps.
+    tpu_compile.enable_estimates()
 
 NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
     "libtpu (the TPU compiler) is not installed: ./dev test, or pip install -e '.[test]', installs "
