@@ -25,9 +25,11 @@ from torch_pallas import bridge, tpu_compile  # noqa: E402
 
 STACK = bridge.STACK
 ON_TPU = bridge.on_tpu()
-if tpu_compile.available() and not ON_TPU:
-    # libtpu reads its dump flags once, when it initialises (at collection: GENERATIONS): the
-    # time estimates of the TPU-compile tier (tpu_schedule) read the dumps.
+# tests/estimates/ reads libtpu's dumps of what it compiles (tpu_compile.enable_estimates), which
+# libtpu must be told when it initialises and which slow every compile: tests/kernels/
+# test_tpu_schedule.py runs them in a process of their own, which sets this variable.
+ESTIMATES = os.environ.get("TORCH_PALLAS_TPU_ESTIMATES") == "1"
+if ESTIMATES:
     tpu_compile.enable_estimates()
 
 NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
@@ -37,6 +39,8 @@ NEEDS_LIBTPU = pytest.mark.skipif(not tpu_compile.available(), reason=(
 # tests/spmd/ needs SPMD mode, which is process-wide: test_sharding.py runs it in a process of
 # its own (which sets TORCH_PALLAS_HLO_DUMP); tests/torchax/spmd likewise.
 collect_ignore = [] if os.environ.get("TORCH_PALLAS_HLO_DUMP") else ["spmd", "torchax/spmd"]
+if not ESTIMATES:
+    collect_ignore += ["estimates"]
 collect_ignore_glob = []
 if STACK != "xla":
     collect_ignore += ["spmd"]

@@ -127,19 +127,13 @@ def test_the_routed_step_holds_the_kernels_as_tpu_custom_calls_and_draws_keys_on
 @pytest.mark.parametrize("dropout", ["torch_pallas", "torch"])
 def test_gpt2_training_step_compiles_whole_for_tpu(training_steps, dropout, generation):
     outputs = training_steps[dropout].outputs
-    compiled = tpu_compile.compile_graph(outputs, generation, estimate=True)
+    compiled = tpu_compile.compile_graph(outputs, generation)
     assert compiled.generation == generation and compiled.seconds > 0
     # Every parameter's gradient and the loss are outputs (float32).
     parameter_bytes = sum(4 * output.numel() for output in outputs[1:])
     assert parameter_bytes <= compiled.output_bytes < 2 * parameter_bytes
     assert compiled.peak_bytes >= compiled.argument_bytes > 0 and compiled.temp_bytes >= 0
     assert compiled.flops > 0 and compiled.bytes_accessed > 0
-    # The time estimate covers XLA's fusions and, routed, the 8 dropout kernels.
-    estimate = compiled.estimate
-    assert estimate.generation == generation and estimate.seconds > 0 and estimate.program_bundles > 0
-    kinds = [op.kind for op in estimate.ops]
-    assert kinds.count("kernel") == (8 if dropout == "torch_pallas" else 0) and "fusion" in kinds
-    assert all(op.seconds > 0 for op in estimate.ops if op.kind == "kernel")
 
 
 def test_hardware_impl_is_accepted_when_lowering_for_tpu_and_compiles():

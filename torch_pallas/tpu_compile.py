@@ -81,8 +81,8 @@ def enable_estimates() -> None:
     once, when it initialises: call it before this module (or JAX, or torch_xla) first uses
     libtpu in the process. DIR is a private temporary directory removed at exit (or the one
     ``LIBTPU_INIT_ARGS`` already names), and each compile's files are deleted once read.
-    Opt-in: dumping adds about a quarter to a large graph's compile time (a 6-layer GPT-2 step
-    on v5e: 25-31 s without, 35-40 s with, and 37 MB of files). Calling it again does nothing.
+    Opt-in: dumping makes a large graph's compile about a quarter slower and writes tens of MB
+    per compile (deleted once read). Calling it again does nothing.
 
     Raises:
         RuntimeError: this module already initialised libtpu without the dump.

@@ -166,9 +166,6 @@ def static_schedule(dump: str) -> dict:
 # and an s32[2] key, padded to its (128,) tile, 16.
 HBM_GRANULE_BYTES = 32
 _MASK32 = 2**32 - 1
-# Bundles that issue after a branch before it takes effect: 1 on v4, 4 on v5e, v5p and v6e (read off the
-# dumps: the bundles after a branch hold the region's ops predicated on the branch's negation).
-BRANCH_DELAY_SLOTS = {"v4": 1, "v5e": 4, "v5p": 4, "v6e": 4}
 _OP = re.compile(r"(?:%(?:[sp]\d+_([sp]\d+)|[\w.]+) = )?([a-z_][\w.]*)\s*(.*)")
 _PREDICATE = re.compile(r"\((!?)%p\w*_(p\d+)(?:, %\w+)?\)\s*,?\s*")
 _SIGNED = lambda x: x - 2**32 if x >= 2**31 else x  # noqa: E731
