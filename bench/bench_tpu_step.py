@@ -1,63 +1,260 @@
-"""A whole GPT-2 training step compiled for TPU by libtpu, on a machine without a TPU.
+"""Whole training steps of transformers models compiled for TPU by libtpu, on a machine without a TPU.
 
-One step (forward, language-model loss, backward; outputs: the loss and every gradient) of a
-GPT-2-style model (6 layers, width 256, 4 heads, vocabulary 8192, batch 8 x 128 tokens, eager
-attention, every dropout p=0.1), built three ways with the same weights:
+    ./dev bench --only tpu_step --full   # every model, attention, variant and generation (~75 minutes)
+    ./dev bench --only tpu_step          # GPT-2 for v5e (~6 minutes)
+    .venv/xla/bin/python bench/bench_tpu_step.py --models bert --generations v4   # any subset
+Every run keeps the committed rows it did not redo (results/tpu_step.json).
 
-- ``torch_pallas``: every dropout routed to torch_pallas (``route_dropout``); each kernel is a
-  Mosaic TPU custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
+One step (forward, loss, backward; outputs: the loss and every gradient) of GPT-2, BERT (masked
+LM), ViT (image classification) and T5 (sequence to sequence) at the sizes users train (GPT-2
+small, BERT-base, ViT-B/16, T5-base widths, with fewer layers than the released models where
+``LAYERS`` says so: compile time on this machine grows with layers, the per-layer figures do not
+change), every dropout p=0.1, built four ways with the same weights:
+
+- ``torch_pallas threefry`` / ``torch_pallas hardware``: every dropout routed to torch_pallas,
+  residual adds fused (``route_dropout(impl=..., fuse_residual=True)``); each kernel a Mosaic TPU
+  custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
 - ``torch``: torch's own dropout (XLA draws each mask and keeps it for the backward pass);
 - ``no dropout``: the model in eval mode (every dropout the identity), the floor.
 
+and with the model's attention implementations (transformers' ``sdpa``, its default; ``eager``).
 Each graph is compiled for one chip of each generation by libtpu's compile-only client
-(``tpu_compile.compile_graph``). Reported: the compiler's peak HBM bytes and its buffers'
-sizes (``get_compiled_memory_stats``), its cost analysis (flops, bytes accessed) and the
-compile time. Nothing runs on a TPU: these are what the compiler plans, not measurements.
+(``tpu_compile.compile_graph``). Reported: the compiler's peak HBM bytes, its cost analysis's
+bytes accessed, and the estimated step time (``GraphCompilation.estimate`` where the library has
+it). Nothing runs on a TPU: these are what the compiler plans, not measurements.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
+import re
+import sys
+import time
 
-from common import markdown_table, write
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, markdown_table, write  # noqa: E402
 
-LAYERS, WIDTH, HEADS, VOCABULARY, BATCH, SEQUENCE, P = 6, 256, 4, 8192, 8, 128, 0.1
-VARIANTS = ("torch_pallas", "torch", "no dropout")
+P = 0.1
+VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch", "no dropout")
+# transformers' own (``sdpa``, its default; ``eager``) and torch_pallas's flash kernels registered with its
+# AttentionInterface (``torch_pallas.register_attention()``), measured against ``eager`` with torch's dropout.
+ATTENTIONS = ("sdpa", "eager", "torch_pallas")
+REFERENCE_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "torch_pallas": "eager"}
+# Released sizes: GPT-2 small 12 layers, BERT-base 12, ViT-B/16 12, T5-base 12 + 12.
+LAYERS = 2
 
 
-def model_and_batch():
+def _gpt2(transformers, torch, device, attention, layers):
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=layers, n_head=12,
+                                     attn_pdrop=P, resid_pdrop=P, embd_pdrop=P, use_cache=False,
+                                     attn_implementation=attention)
+    ids = torch.randint(0, config.vocab_size, (8, 1024), device=device)
+    return transformers.GPT2LMHeadModel(config), dict(input_ids=ids, labels=ids)
+
+
+def _bert(transformers, torch, device, attention, layers):
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
+                                     attn_implementation=attention)
+    ids = torch.randint(0, config.vocab_size, (8, 512), device=device)
+    return transformers.BertForMaskedLM(config), dict(input_ids=ids, labels=ids)
+
+
+def _vit(transformers, torch, device, attention, layers):
+    config = transformers.ViTConfig(num_hidden_layers=layers, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
+                                    num_labels=1000, attn_implementation=attention)
+    pixels = torch.randn(32, 3, 224, 224, device=device)
+    labels = torch.randint(0, 1000, (32,), device=device)
+    return transformers.ViTForImageClassification(config), dict(pixel_values=pixels, labels=labels)
+
+
+def _t5(transformers, torch, device, attention, layers):
+    config = transformers.T5Config(d_model=768, d_kv=64, d_ff=3072, num_heads=12, num_layers=layers,
+                                   num_decoder_layers=layers, dropout_rate=P, decoder_start_token_id=0, pad_token_id=0,
+                                   attn_implementation=attention)
+    ids = torch.randint(0, config.vocab_size, (8, 512), device=device)
+    labels = torch.randint(0, config.vocab_size, (8, 128), device=device)
+    return transformers.T5ForConditionalGeneration(config), dict(input_ids=ids, labels=labels)
+
+
+MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024 tokens, language-model loss", _gpt2),
+          "bert": ("BERT-base: width 768, 12 heads, 8 x 512 tokens, masked-LM loss on every token", _bert),
+          "vit": ("ViT-B/16: width 768, 12 heads, 32 images of 224 x 224, 1000 classes", _vit),
+          "t5": ("T5-base widths: d_model 768, 12 heads, d_ff 3072, 8 x 512 input and 8 x 128 target tokens", _t5)}
+
+
+def build(model_name: str, attention: str, layers: int):
+    """The model and its batch on the XLA device, or None when transformers cannot build the
+    model with that attention (T5 has no ``sdpa`` in transformers 4.57)."""
     import torch
     import torch_xla
     import transformers
 
+    import torch_pallas
+
+    if attention == "torch_pallas":
+        torch_pallas.register_attention()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCABULARY, n_positions=SEQUENCE, n_embd=WIDTH, n_layer=LAYERS,
-                                     n_head=HEADS, attn_pdrop=P, resid_pdrop=P, embd_pdrop=P, use_cache=False,
-                                     attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(config).to(torch_xla.device())
-    ids = torch.randint(0, VOCABULARY, (BATCH, SEQUENCE)).to(torch_xla.device())
-    return model, ids
+    device = torch_xla.device()
+    unavailable = f"transformers {transformers.__version__} has no {attention} attention for this model"
+    try:
+        model, batch = MODELS[model_name][1](transformers, torch, device, attention, layers)
+    except (ValueError, KeyError):
+        # ValueError: transformers refuses an implementation the model lacks (T5 4.57: sdpa);
+        # KeyError: a model that does not look attention up in AttentionInterface (BERT 4.57).
+        return None, unavailable
+    if attention == "torch_pallas" and not getattr(model, "_supports_attention_backend", False):
+        return None, unavailable  # T5 4.57 takes the name and runs its own eager attention anyway
+    model = model.to(device)
+    # Device data, not pending random ops: the step's inputs, as in training.
+    torch_xla.sync()
+    return model, batch
 
 
-def step_outputs(model, ids, variant: str) -> list:
+def step_outputs(model, batch, variant: str) -> list:
     """The loss and every gradient of one step, as pending XLA tensors (never run here)."""
     import torch_pallas
     from torch_pallas import tpu_compile
 
     model.train(variant != "no dropout").zero_grad(set_to_none=True)
-    routing = torch_pallas.route_dropout() if variant == "torch_pallas" else contextlib.nullcontext()
-    with tpu_compile.lowering_for_tpu(), routing:
-        loss = model(input_ids=ids, labels=ids).loss
+    routed = variant.startswith("torch_pallas")
+    with tpu_compile.lowering_for_tpu(), (  # inside: impl="hardware" is accepted only while lowering for TPU
+            torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True) if routed
+            else contextlib.nullcontext()):
+        loss = model(**batch).loss
         loss.backward()
-    return [loss, *(parameter.grad for parameter in model.parameters())]
+    return [loss, *(parameter.grad for parameter in model.parameters() if parameter.grad is not None)]
 
 
-def mib(size: float) -> str:
-    return f"{size / 2**20:.1f}"
+def measure(model, batch, variant: str, generations) -> list:
+    import torch_xla
+
+    from torch_pallas import tpu_compile
+
+    outputs = step_outputs(model, batch, variant)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    records = []
+    for generation in generations:
+        try:
+            compiled = tpu_compile.compile_graph(outputs, generation, estimate=True)
+            estimate, unestimated = compiled.estimate, None
+        except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level)
+            compiled, estimate, unestimated = tpu_compile.compile_graph(outputs, generation), None, str(error)
+        records.append({
+            "variant": variant, "generation": generation, "compile_s": compiled.seconds,
+            "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
+            "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops,
+            "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+            "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
+            "unestimated": unestimated,
+            "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
+                                         for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]]})
+        print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
+    # The CPU client cannot run these graphs: drop them before anything syncs.
+    del outputs
+    model.zero_grad(set_to_none=True)
+    return records
 
 
-def run(full: bool) -> str:
-    del full  # one compile per generation and variant either way
+def _key(record):
+    return record["model"], record["attention"], record["variant"], record["generation"]
+
+
+def measure_all(models, attentions, variants, generations, layers) -> list:
+    records = []
+    for model_name in models:
+        for attention in attentions:
+            model, batch = build(model_name, attention, layers)
+            base = {"model": model_name, "attention": attention, "layers": layers}
+            if model is None:
+                records += [{**base, "variant": v, "generation": g, "unavailable": batch}
+                            for v in variants for g in generations]
+                continue
+            for variant in variants:
+                if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
+                    continue  # its attention dropout is torch_pallas's whatever the variant
+                records += [{**base, **r} for r in measure(model, batch, variant, generations)]
+            del model, batch
+            save(records)  # a long run keeps what it measured if a later model fails
+    return records
+
+
+def save(records: list) -> str:
+    """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table."""
+    records = merged(records)
+    table = render(records)
+    write("tpu_step", {"mode": "compile only", "results": records}, table, None)
+    return table
+
+
+def merged(records: list) -> list:
+    """``records`` over the committed results: a partial run replaces only its own rows."""
+    path = RESULTS / "tpu_step.json"
+    old = json.loads(path.read_text()).get("results", []) if path.exists() else []
+    new = {_key(r): r for r in records}
+    return [r for r in old if "model" in r and _key(r) not in new] + records
+
+
+def render(records: list) -> str:
+    """The markdown of ``records``: notes, then one row per model, attention and generation with
+    each torch_pallas variant's ratio to torch's dropout."""
+    by = {_key(r): r for r in records}
+    rows = []
+    for model_name in MODELS:
+        for attention in ATTENTIONS:
+            generations = sorted({r["generation"] for r in records
+                                  if r["model"] == model_name and r["attention"] == attention},
+                                 key=lambda g: (len(g), g))
+            for generation in generations:
+                torch_row = by.get((model_name, REFERENCE_ATTENTION[attention], "torch", generation))
+                if torch_row is None or "unavailable" in torch_row:
+                    reason = (torch_row or {}).get("unavailable", "not measured")
+                    rows.append([model_name, attention, generation, reason] + [""] * 5)
+                    continue
+                cells = [model_name, attention, generation, f"{torch_row['peak_bytes'] / 2**20:.0f}",
+                         _ms(torch_row.get("estimate_s"))]
+                for variant in ("torch_pallas threefry", "torch_pallas hardware", "no dropout"):
+                    row = by.get((model_name, attention if variant != "no dropout" else REFERENCE_ATTENTION[attention],
+                                  variant, generation))
+                    cells.append("—" if row is None else
+                                 f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
+                                 f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}")
+                cells.append(by.get((model_name, attention, "torch_pallas threefry", generation), {})
+                             .get("tpu_custom_calls", "—"))
+                rows.append(cells)
+    layers = sorted({r["layers"] for r in records})
+    notes = (
+        "One training step (forward, loss, backward; outputs: loss and every gradient, float32) of each model, "
+        f"{' or '.join(map(str, layers))} layers (the released models have 12; per layer the step repeats), every "
+        f"dropout p={P}, compiled whole for one chip of each generation by libtpu's compile-only client on this CPU "
+        "machine (`torch_pallas.tpu_compile.compile_graph`; built under `tpu_compile.lowering_for_tpu()`, never run). "
+        "Models: " + "; ".join(f"{name}: {text}" for name, (text, _) in MODELS.items()) + ". "
+        "`torch`: torch's dropout; the torch_pallas columns route every dropout and fuse residual adds "
+        "(`route_dropout(impl=..., fuse_residual=True)`), and give "
+        "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to torch's; "
+        "`no dropout`: the model in eval mode. Compiler estimates, not TPU measurements.\n\n")
+    unestimated = sorted({f"{r['model']} {r['attention']} {r['variant']}: {re.sub(r' [(].*', '', r['unestimated'].split(':')[0])}"
+                          for r in records if r.get("unestimated")})
+    if unestimated:
+        notes += "Not estimated (—): " + "; ".join(unestimated) + ".\n\n"
+    return notes + markdown_table(
+        ["model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",
+         "threefry / torch", "hardware / torch", "no dropout / torch", "kernels (threefry)"], rows)
+
+
+def _ms(seconds):
+    return "—" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _ratio(value, reference):
+    return "—" if value is None or not reference else f"{value / reference:.2f}x"
+
+
+def run(full: bool, models=None, attentions=ATTENTIONS, variants=VARIANTS, generations=None, layers=LAYERS) -> str:
+    """Compiles the steps (full: every model for every generation; quick: GPT-2 for v5e) and
+    writes results/tpu_step.{json,md}, keeping the committed rows a partial run did not redo."""
     from torch_pallas import tpu_compile
 
     if not tpu_compile.available():
@@ -66,61 +263,30 @@ def run(full: bool) -> str:
         import transformers  # noqa: F401
     except ImportError:
         return "skipped: transformers is not installed (the test extra installs it)"
-    import torch_xla
-
-    model, ids = model_and_batch()
-    records = []
-    for variant in VARIANTS:
-        outputs = step_outputs(model, ids, variant)
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-        custom_calls = hlo.count('custom_call_target="tpu_custom_call"')
-        for generation in tpu_compile.GENERATIONS:
-            compiled = tpu_compile.compile_graph(outputs, generation)
-            record = {"variant": variant, "generation": generation, "compile_s": compiled.seconds,
-                      "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
-                      "argument_bytes": compiled.argument_bytes, "output_bytes": compiled.output_bytes,
-                      "alias_bytes": compiled.alias_bytes, "generated_code_bytes": compiled.generated_code_bytes,
-                      "flops": compiled.flops, "bytes_accessed": compiled.bytes_accessed,
-                      "transcendentals": compiled.cost.get("transcendentals"), "tpu_custom_calls": custom_calls}
-            records.append(record)
-        # The CPU client cannot run these graphs: drop them before anything syncs.
-        del outputs
-        model.zero_grad(set_to_none=True)
-    table = render(records)
-    write("tpu_step", {"mode": "compile only", "results": records}, table, None)
+    start = time.perf_counter()
+    models = models or (list(MODELS) if full else ["gpt2"])
+    generations = generations or (list(tpu_compile.GENERATIONS) if full else ["v5e"])
+    table = save(measure_all(models, attentions, variants, generations, layers))
+    print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return table
 
 
-def render(records: list) -> str:
-    """The markdown of ``records`` (``run``'s, or results/tpu_step.json's): notes and table."""
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", choices=list(MODELS))
+    parser.add_argument("--attentions", nargs="*", default=list(ATTENTIONS))
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--generations", nargs="*")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    options = parser.parse_args()
     from torch_pallas import tpu_compile
 
-    rows = []
-    by = {(r["variant"], r["generation"]): r for r in records}
-    for generation in tpu_compile.GENERATIONS:
-        for variant in VARIANTS:
-            r = by[variant, generation]
-            rows.append([generation, variant, mib(r["peak_bytes"]), mib(r["temp_bytes"]), mib(r["argument_bytes"]),
-                         mib(r["output_bytes"]), f"{r['flops'] / 1e9:.2f}", mib(r["bytes_accessed"]),
-                         r["tpu_custom_calls"], f"{r['compile_s']:.1f}"])
-    table = markdown_table(["generation", "dropout", "peak HBM (MiB)", "temp (MiB)", "arguments (MiB)",
-                            "outputs (MiB)", "GFLOP", "bytes accessed (MiB)", "TPU custom calls", "compile (s)"], rows)
-    notes = (
-        f"One GPT-2 training step (forward, loss, backward; outputs: loss and every gradient, float32) of a "
-        f"{LAYERS}-layer, width-{WIDTH}, {HEADS}-head model with a {VOCABULARY}-token vocabulary on a batch of "
-        f"{BATCH} x {SEQUENCE} tokens, eager attention, 19 dropouts of p={P} (embedding; per layer attention "
-        "probabilities, attention output, MLP output), compiled whole for one chip of each generation by "
-        "libtpu 0.0.21's compile-only client on this CPU machine (`torch_pallas.tpu_compile.compile_graph`; "
-        "the graph was built under `tpu_compile.lowering_for_tpu()`, never run). `torch_pallas`: every "
-        "dropout routed (`route_dropout`), its kernels Mosaic custom calls; `torch`: torch's dropout; "
-        "`no dropout`: the model in eval mode. Memory is libtpu's `get_compiled_memory_stats()` "
-        "(peak = `peak_memory_in_bytes`; temp = the temporaries' allocation as buffer assignment sizes it), "
-        "flops and bytes accessed its `cost_analysis()`; "
-        "compile seconds on 2 CPU cores. Compiler estimates, not TPU measurements.\n\n"
-        "Reading: peak HBM is within 12% across the three on every generation (torch_pallas's is the lowest on "
-        "v5e, the highest on v5p). "
-        "torch_pallas's dropout keeps no mask, yet its step has the most temporaries and bytes accessed: each kernel "
-        "is a custom call XLA cannot fuse, so its float32 output is an HBM buffer of its own, read and written "
-        "whole (over no dropout on v4: +27 MiB of temporaries, about the 25 MiB of the 19 dropouts' float32 "
-        "outputs; torch's dropout: +17 MiB).\n\n")
-    return notes + table
+    tpu_compile.enable_estimates()
+    print(run(True, options.models, options.attentions, options.variants, options.generations, options.layers))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_pallas  # noqa: F401  (torch_xla before JAX)
+
+    main()

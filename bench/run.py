@@ -15,6 +15,10 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch_pallas  # noqa: E402,F401  (torch_xla before JAX)
+from torch_pallas import tpu_compile  # noqa: E402
+
+if tpu_compile.available():
+    tpu_compile.enable_estimates()  # before any benchmark compiles: tpu_step's estimates read the dumps
 
 import bench_dispatch  # noqa: E402
 import bench_dropout  # noqa: E402
