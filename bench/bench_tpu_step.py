@@ -20,8 +20,9 @@ change), every dropout p=0.1, built four ways with the same weights:
 and with the model's attention implementations (transformers' ``sdpa``, its default; ``eager``).
 Each graph is compiled for one chip of each generation by libtpu's compile-only client
 (``tpu_compile.compile_graph``). Reported: the compiler's peak HBM bytes, its cost analysis's
-bytes accessed, and the estimated step time (``GraphCompilation.estimate`` where the library has
-it). Nothing runs on a TPU: these are what the compiler plans, not measurements.
+bytes accessed, and the estimated step time (``compile_graph(..., estimate=True)``; a program the
+estimate cannot count is reported without one). Nothing runs on a TPU: these are what the
+compiler plans, not measurements.
 """
 
 from __future__ import annotations
@@ -123,8 +124,13 @@ def step_outputs(model, batch, variant: str) -> list:
     with tpu_compile.lowering_for_tpu(), (  # inside: impl="hardware" is accepted only while lowering for TPU
             torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True) if routed
             else contextlib.nullcontext()):
-        loss = model(**batch).loss
-        loss.backward()
+        # The default impl too: register_attention's function (attn_implementation="torch_pallas") takes it.
+        torch_pallas.random.set_default_impl(variant.split()[-1] if routed else None)
+        try:
+            loss = model(**batch).loss
+            loss.backward()
+        finally:
+            torch_pallas.random.set_default_impl(None)
     return [loss, *(parameter.grad for parameter in model.parameters() if parameter.grad is not None)]
 
 
@@ -171,6 +177,7 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
             if model is None:
                 records += [{**base, "variant": v, "generation": g, "unavailable": batch}
                             for v in variants for g in generations]
+                save(records)
                 continue
             for variant in variants:
                 if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
@@ -209,8 +216,9 @@ def render(records: list) -> str:
                                  key=lambda g: (len(g), g))
             for generation in generations:
                 torch_row = by.get((model_name, REFERENCE_ATTENTION[attention], "torch", generation))
-                if torch_row is None or "unavailable" in torch_row:
-                    reason = (torch_row or {}).get("unavailable", "not measured")
+                own = by.get((model_name, attention, "torch_pallas threefry", generation)) or {}
+                if torch_row is None or "unavailable" in torch_row or "unavailable" in own:
+                    reason = own.get("unavailable") or (torch_row or {}).get("unavailable", "not measured")
                     rows.append([model_name, attention, generation, reason] + [""] * 5)
                     continue
                 cells = [model_name, attention, generation, f"{torch_row['peak_bytes'] / 2**20:.0f}",
@@ -218,7 +226,7 @@ def render(records: list) -> str:
                 for variant in ("torch_pallas threefry", "torch_pallas hardware", "no dropout"):
                     row = by.get((model_name, attention if variant != "no dropout" else REFERENCE_ATTENTION[attention],
                                   variant, generation))
-                    cells.append("—" if row is None else
+                    cells.append("—" if row is None or "unavailable" in row else
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}")
                 cells.append(by.get((model_name, attention, "torch_pallas threefry", generation), {})
@@ -234,8 +242,11 @@ def render(records: list) -> str:
         "`torch`: torch's dropout; the torch_pallas columns route every dropout and fuse residual adds "
         "(`route_dropout(impl=..., fuse_residual=True)`), and give "
         "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to torch's; "
-        "`no dropout`: the model in eval mode. Compiler estimates, not TPU measurements.\n\n")
-    unestimated = sorted({f"{r['model']} {r['attention']} {r['variant']}: {re.sub(r' [(].*', '', r['unestimated'].split(':')[0])}"
+        "`no dropout`: the model in eval mode. Attention `torch_pallas`: the model built with "
+        "`attn_implementation=\"torch_pallas\"` (`register_attention()`: flash kernels, in-kernel dropout), its "
+        "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements.\n\n")
+    unestimated = sorted({f"{r['model']} {r['attention']} {r['variant']}: "
+                          + re.sub(r" [(].*", "", r["unestimated"].split(":")[0])
                           for r in records if r.get("unestimated")})
     if unestimated:
         notes += "Not estimated (—): " + "; ".join(unestimated) + ".\n\n"

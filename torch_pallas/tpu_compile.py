@@ -148,7 +148,8 @@ def _reading_dumps():
     if _captures and not any(name.endswith("-TLP-hlo.txt") for name in dumped):
         flags = " ".join([f"{_DUMP_TO}DIR", *_DUMP_FLAGS])
         raise RuntimeError(f"libtpu wrote no dump of this compile: it was initialised before "
-                           f"torch_pallas.tpu_compile.enable_estimates() (by JAX or torch_xla?). Call that first, or set "
+                           f"torch_pallas.tpu_compile.enable_estimates() (by JAX or torch_xla?). "
+                           f"Call that first, or set "
                            f"LIBTPU_INIT_ARGS='{flags}' before libtpu initialises")
     for dumps in _captures:
         dumps.update(dumped)

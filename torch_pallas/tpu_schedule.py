@@ -633,7 +633,8 @@ class StepEstimate:
         if rest:
             rows.append((f"({len(rest)} more)", "", f"{sum(op.bundles for op in rest)}",
                          f"{sum(op.schedule_seconds for op in rest) * 1e6:.2f}", f"{sum(op.hbm_bytes for op in rest)}",
-                         f"{sum(op.hbm_seconds for op in rest) * 1e6:.2f}", f"{sum(op.seconds for op in rest) * 1e6:.2f}"))
+                         f"{sum(op.hbm_seconds for op in rest) * 1e6:.2f}",
+                         f"{sum(op.seconds for op in rest) * 1e6:.2f}"))
         rows.append(("(top-level program)", "", f"{self.program_bundles}", f"{self.program_seconds * 1e6:.2f}", "", "",
                      f"{self.program_seconds * 1e6:.2f}"))
         rows.append(("total", "", f"{self.bundles}", "", f"{self.hbm_bytes}", "", f"{self.seconds * 1e6:.2f}"))
@@ -702,7 +703,8 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     instructions = [_INSTRUCTION.match(line) for line in entry_computation(hlo).splitlines()]
     looping = sorted({match.group(1) for match in instructions if match and match.group(3) in _CONTROL_FLOW})
     if looping:
-        raise NotImplementedError(f"the program's entry computation has control flow at top level ({', '.join(looping)}): "
+        raise NotImplementedError(f"the program's entry computation has control flow at top level "
+                                  f"({', '.join(looping)}): "
                                   "estimate counts every op once, not as often as a loop or branch runs it")
     kernels = {match.group(1) for match in instructions
                if match and match.group(3) == "custom-call" and 'custom_call_target="tpu_custom_call"' in match.string}
