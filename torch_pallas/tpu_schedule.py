@@ -647,13 +647,12 @@ class StepEstimate:
         return "\n".join(lines)
 
 
-def _code_signature(hlo, instruction):
-    """What the code of an entry instruction depends on: its op, its result's and operands' types
-    and its attributes, or its fused computation, without instruction names and metadata."""
-    entry = entry_computation(hlo)
-    line = re.search(r"^\s*(?:ROOT )?%" + re.escape(instruction) + r" = .*$", entry, re.M).group(0)
-    types = {match.group(1): match.group(2) for match in map(_INSTRUCTION.match, entry.splitlines()) if match}
-    operands = [types.get(name, "") for name in re.findall(r"%([\w.-]+)", _INSTRUCTION.match(line).group(4))]
+def _code_signature(hlo, match, types):
+    """What the code of an entry instruction (``match``: its :data:`_INSTRUCTION` match) depends on:
+    its op, its result's and operands' types (``types``: the entry's ``{name: type}``) and its
+    attributes, or its fused computation, without instruction names and metadata."""
+    line = match.string
+    operands = [types.get(name, "") for name in re.findall(r"%([\w.-]+)", match.group(4))]
     called = re.search(r"calls=%([\w.-]+)", line)
     body = ""
     if called:
@@ -700,14 +699,16 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     """
     hardware = _hardware(generation, "clock")
     hlo = optimized_hlo(dumps)
-    instructions = [_INSTRUCTION.match(line) for line in entry_computation(hlo).splitlines()]
-    looping = sorted({match.group(1) for match in instructions if match and match.group(3) in _CONTROL_FLOW})
+    instructions = [match for match in map(_INSTRUCTION.match, entry_computation(hlo).splitlines()) if match]
+    by_name = {match.group(1): match for match in instructions}
+    types = {name: match.group(2) for name, match in by_name.items()}
+    looping = sorted({match.group(1) for match in instructions if match.group(3) in _CONTROL_FLOW})
     if looping:
         raise NotImplementedError(f"the program's entry computation has control flow at top level "
                                   f"({', '.join(looping)}): "
                                   "estimate counts every op once, not as often as a loop or branch runs it")
     kernels = {match.group(1) for match in instructions
-               if match and match.group(3) == "custom-call" and 'custom_call_target="tpu_custom_call"' in match.string}
+               if match.group(3) == "custom-call" and 'custom_call_target="tpu_custom_call"' in match.string}
     moved = hbm_bytes_by_instruction(hlo)
     program_bundles, ops, runs = 0, [], {}
 
@@ -729,16 +730,16 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
             # every conditional region taken, instead.
             ops.append(op_estimate(instruction, kind, _static_bundles(dump), hbm, followed=False))
             continue
-        runs[_code_signature(hlo, instruction)] = (kind, run)
+        runs[_code_signature(hlo, by_name[instruction], types)] = (kind, run)
         if kind == "kernel" and run["hbm_dma_bytes"] is not None:
             hbm = max(hbm, run["hbm_dma_bytes"])
         ops.append(op_estimate(instruction, kind, run["bundles"], hbm))
     # libtpu generates code once for instructions that compute the same thing (the same kernel
     # on same-shaped operands, fusions of the same computation): they run the dumped one's.
     for match in instructions:
-        if not match or match.group(1) not in moved:
+        if match.group(1) not in moved:
             continue
-        shared = runs.get(_code_signature(hlo, match.group(1)))
+        shared = runs.get(_code_signature(hlo, match, types))
         if shared:
             kind, run = shared
             hbm = moved.pop(match.group(1))
