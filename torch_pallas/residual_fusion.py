@@ -79,8 +79,7 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
     input, other = call.arguments["input"], call.arguments["other"]
     if call.arguments.get("alpha", 1) != 1 or call.arguments.get("out") is not None:
         return None
-    if not isinstance(input, torch.Tensor) or not isinstance(other, torch.Tensor) or (
-            input.shape, input.dtype, input.device) != (other.shape, other.dtype, other.device):
+    if not _addable_in_one_kernel(input, other):
         return None
     candidates = [(found, residual) for found, residual in ((_drawn_dropout_of(input), other),
                                                              (_drawn_dropout_of(other), input)) if found is not None]
@@ -106,7 +105,8 @@ def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
             continue
         for dropped, residual in (add.args, add.args[::-1]):
             if not (isinstance(dropped, torch.fx.Node) and dropped.target is dropout and len(dropped.users) == 1
-                    and isinstance(residual, torch.fx.Node) and _same_tensor_type(dropped, residual)):
+                    and isinstance(residual, torch.fx.Node)
+                    and _addable_in_one_kernel(dropped.meta.get("val"), residual.meta.get("val"))):
                 continue
             x, key_data, p, impl, shared_over_first_dim, *_, layout = _dropout_arguments(dropped)
             if shared_over_first_dim:
@@ -134,8 +134,9 @@ def _dropout_arguments(node: torch.fx.Node) -> list:
     return values
 
 
-def _same_tensor_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    a, b = a.meta.get("val"), b.meta.get("val")
+def _addable_in_one_kernel(a, b) -> bool:
+    """Whether ``a`` and ``b`` (tensors, or a graph's fake values of them) are tensors of one
+    shape, dtype and device: dropout_add neither broadcasts nor promotes."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device))
 
