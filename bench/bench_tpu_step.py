@@ -20,8 +20,9 @@ change), every dropout p=0.1, built four ways with the same weights:
 and with the model's attention implementations (transformers' ``sdpa``, its default; ``eager``).
 Each graph is compiled for one chip of each generation by libtpu's compile-only client
 (``tpu_compile.compile_graph``). Reported: the compiler's peak HBM bytes, its cost analysis's
-bytes accessed, and the estimated step time (``compile_graph(..., estimate=True)``; a program the
-estimate cannot count is reported without one). Nothing runs on a TPU: these are what the
+bytes accessed, and the estimated step time (``tpu_schedule.estimate`` of the compile's dumps, as
+``compile_graph(..., estimate=True)`` gives it; a program the estimate cannot count is reported
+without one, from the same compile). Nothing runs on a TPU: these are what the
 compiler plans, not measurements.
 """
 
@@ -137,17 +138,18 @@ def step_outputs(model, batch, variant: str) -> list:
 def measure(model, batch, variant: str, generations) -> list:
     import torch_xla
 
-    from torch_pallas import tpu_compile
+    from torch_pallas import tpu_compile, tpu_schedule
 
     outputs = step_outputs(model, batch, variant)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
     records = []
     for generation in generations:
+        with tpu_compile.compiler_dumps() as dumps:
+            compiled = tpu_compile.compile_graph(outputs, generation)
         try:
-            compiled = tpu_compile.compile_graph(outputs, generation, estimate=True)
-            estimate, unestimated = compiled.estimate, None
+            estimate, unestimated = tpu_schedule.estimate(dumps, generation), None
         except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level)
-            compiled, estimate, unestimated = tpu_compile.compile_graph(outputs, generation), None, str(error)
+            estimate, unestimated = None, str(error)
         records.append({
             "variant": variant, "generation": generation, "compile_s": compiled.seconds,
             "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
