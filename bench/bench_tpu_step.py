@@ -123,7 +123,7 @@ def step_outputs(model, batch, variant: str) -> list:
     model.train(variant != "no dropout").zero_grad(set_to_none=True)
     routed = variant.startswith("torch_pallas")
     with tpu_compile.lowering_for_tpu(), (  # inside: impl="hardware" is accepted only while lowering for TPU
-            torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True) if routed
+            torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True, fuse_matmul=True) if routed
             else contextlib.nullcontext()):
         # The default impl too: register_attention's function (attn_implementation="torch_pallas") takes it.
         torch_pallas.random.set_default_impl(variant.split()[-1] if routed else None)

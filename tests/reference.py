@@ -10,7 +10,7 @@ except ImportError:  # jax 0.10 moved threefry's primitive and lowering to jax._
     from jax._src.random import threefry2x32 as jax_prng
 from jax._src.interpreters import mlir
 
-from torch_pallas.kernels import prng
+from torch_pallas.kernels import attention, prng
 
 # Seeds with and without high bits: the high word must reach the key.
 SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
@@ -119,6 +119,28 @@ def emulated_hardware_tile_bits(hardware_key_ref, tile_index, tile):
             for word in prng.tile_seed(hardware_key_ref[0], hardware_key_ref[1], tile_index)]
     rows, cols = (jax.lax.broadcasted_iota(jnp.uint32, tile, d) for d in (0, 1))
     return prng.threefry_bits(*seed, rows * np.uint32(tile[1]) + cols)
+
+
+def attention_threefry_keep(shape, dropout_p, seed=1234):
+    """The threefry mask of ``(*batch, L, S)`` attention weights: jax.random.bernoulli's."""
+    return np.asarray(jax.random.bernoulli(jax_key(seed), np.float32(1 - dropout_p), shape))
+
+
+def attention_hardware_keep(shape, dropout_p, seed=1234):
+    """The emulated hardware PRNG's mask of ``(*batch, L, S)`` attention weights: tile (i, j)
+    of plane b gets the bits of tile index ``b * tiles_per_plane + i * tiles_per_row + j``
+    (the plane padded to whole :func:`attention.attention_tile` tiles)."""
+    *batch, L, S = shape
+    tile = attention.attention_tile(L, S)
+    rows, cols = -(-L // tile[0]), -(-S // tile[1])
+    hardware_key = np.asarray(prng.hardware_key_data(jnp.asarray(key_data(seed))))
+    planes = []
+    for b in range(int(np.prod(batch))):
+        plane = np.block([[np.asarray(emulated_hardware_tile_bits(hardware_key, np.int32((b * rows + i) * cols + j),
+                                                                  tile)) for j in range(cols)] for i in range(rows)])
+        planes.append(plane[:L, :S])
+    bits = jnp.asarray(np.stack(planes).reshape(shape))
+    return np.asarray(prng.bernoulli_from_bits(bits, np.float32(1 - dropout_p)))
 
 
 def random_case(shape, weight_range=(0.0, 1.0), seed=0):

@@ -441,3 +441,78 @@ def test_dropout_add_compiles_without_graph_breaks_or_recompiles():
         compiles.append(met.metric_data("CompileTime")[0])
     assert compiles[1] == compiles[-1], compiles
     assert not torch.equal(kept[2], kept[3])  # a fresh key per call
+
+
+WEIGHTS_SHAPE, VALUE_SHAPE = (2, 3, 40, 300), (2, 3, 300, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_matmul_is_dropout_then_matmul_with_its_mask_and_gradients(dtype):
+    """README, A short tour (dropout_matmul): float64 references given jax.random's mask; the
+    backward pass keeps the weights, the value and the key, not the dropped weights."""
+    generator = torch.Generator().manual_seed(5)
+    weights = xla(torch.rand(WEIGHTS_SHAPE, generator=generator)).to(dtype).requires_grad_()
+    value = xla(torch.randn(VALUE_SHAPE, generator=generator)).to(dtype).requires_grad_()
+    grad = xla(torch.randn(2, 3, 40, 16, generator=generator)).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = torch_pallas.dropout_matmul(weights, value, 0.3, seed=SEEDS[2])
+    assert saved == [WEIGHTS_SHAPE, VALUE_SHAPE, (2,)]
+    out.backward(grad)
+    keep = torch.from_numpy(np.array(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, WEIGHTS_SHAPE)))
+    w, v, g = (t.detach().cpu().double() for t in (weights, value, grad))
+    # The kernel rounds a kept weight to the weights' dtype, as dropout does, then accumulates in float32.
+    dropped = torch.where(keep, w / 0.7, 0.0).to(dtype).double()
+    expected = (dropped @ v, torch.where(keep, g @ v.transpose(-2, -1) / 0.7, 0.0), dropped.transpose(-2, -1) @ g)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, want in zip((out, weights.grad, value.grad), expected):
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.detach().cpu().double(), want, **tolerance)
+
+
+def test_dropout_matmul_is_dropouts_mask_and_takes_what_matmul_takes():
+    """threefry: the same weights dropped as torch_pallas.dropout's for the key; a pair the
+    kernel does not take (a broadcast value, float64) is computed as dropout then matmul."""
+    weights = positive(WEIGHTS_SHAPE)
+    value = xla(torch.randn(VALUE_SHAPE, generator=torch.Generator().manual_seed(6)))
+    dropped = torch_pallas.dropout(weights, 0.4, seed=7)
+    torch.testing.assert_close(torch_pallas.dropout_matmul(weights, value, 0.4, seed=7).cpu(),
+                               (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
+    for w, v in ((weights, value[0]), (weights.double(), value.double()), (weights[0, 0], value[0, 0, :, 0])):
+        assert torch.equal(torch_pallas.dropout_matmul(w, v, 0.4, seed=7).cpu(),
+                           (torch_pallas.dropout(w, 0.4, seed=7) @ v).cpu())
+    eager = torch_pallas.dropout_matmul(weights.cpu(), value.cpu(), 0.4, seed=7)
+    torch.testing.assert_close(eager, (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_matmul_without_a_kernel_and_its_bad_input():
+    weights, value = positive(WEIGHTS_SHAPE), positive(VALUE_SHAPE)
+    for p, training in ((0.0, True), (0.5, False)):
+        assert torch.equal(torch_pallas.dropout_matmul(weights, value, p, training).cpu(), (weights @ value).cpu())
+    assert torch.equal(torch_pallas.dropout_matmul(weights, value, 1.0).cpu(), torch.zeros(2, 3, 40, 16))
+    with pytest.raises(TypeError, match="value must have weights' dtype"):
+        torch_pallas.dropout_matmul(weights, value.bfloat16(), 0.5)
+    with pytest.raises(ValueError, match="value must be on weights' device"):
+        torch_pallas.dropout_matmul(weights, value.cpu(), 0.5)
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        torch_pallas.dropout_matmul(weights, value.cpu().numpy(), 0.5)
+    with pytest.raises(ValueError, match="p must be in"):
+        torch_pallas.dropout_matmul(weights, value, 1.5)
+    with pytest.raises(RuntimeError):  # torch's own shape error, from its matmul
+        torch_pallas.dropout_matmul(weights[..., :7], value, 0.5, training=False)
+
+
+def test_dropout_matmul_compiles_without_graph_breaks_or_recompiles():
+    weights, value = positive(WEIGHTS_SHAPE), positive(VALUE_SHAPE)
+    step = torch.compile(lambda w, v: torch_pallas.dropout_matmul(w, v, 0.5), backend="openxla", fullgraph=True)
+    compiles, outputs = [], []
+    for _ in range(3):
+        weights.grad = None
+        weights.requires_grad_()
+        out = step(weights, value)
+        out.sum().backward()
+        torch_xla.sync()
+        outputs.append(out.detach().cpu())
+        compiles.append(met.metric_data("CompileTime")[0])
+    assert compiles[1] == compiles[-1], compiles
+    assert not torch.equal(outputs[1], outputs[2])  # a fresh key per call

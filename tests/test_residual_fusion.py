@@ -1,5 +1,7 @@
-"""Residual dropouts fused into torch_pallas.dropout_add: route_dropout(fuse_residual=True) on
-lazy XLA tensors, the "torch_pallas" backend under torch.compile, and transformers models."""
+"""Dropouts fused with what reads them: residual adds into torch_pallas.dropout_add
+(route_dropout(fuse_residual=True) on lazy XLA tensors, the "torch_pallas" backend under
+torch.compile) and eager attention's products into torch_pallas.dropout_matmul
+(route_dropout(fuse_matmul=True)), alone and in transformers models."""
 
 import re
 
@@ -15,13 +17,23 @@ from torch_pallas import residual_fusion
 DEVICE = torch_xla.device()
 
 
-def kernel_nodes(*tensors) -> dict:
-    """How many dropout kernels (key, x) and fused dropout_add kernels (key, x, residual) the
-    lazy graph of ``tensors`` holds: what would be compiled and run, dead nodes left out.
-    (Attention kernels take four operands or more.)"""
+def kernel_nodes(*tensors, matmul: bool = False) -> dict:
+    """How many dropout kernels (key, x), fused dropout_add kernels (key, x, residual: the
+    output's shape) and, with ``matmul``, dropout_matmul kernels (key, weights, value: another
+    shape) the lazy graph of ``tensors`` holds: what would be compiled and run, dead nodes left
+    out. (Attention kernels take four operands or more.)"""
     text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
-    operands = [len(match.split(",")) for match in re.findall(r"xla::torch_pallas\(([^)]*)\)", text)]
-    return {"dropout": operands.count(2), "dropout_add": operands.count(3)}
+    shapes = dict(re.findall(r"(%\d+) = (\S+)", text))
+    counts = {"dropout": 0, "dropout_add": 0, "dropout_matmul": 0}
+    for output, operands in re.findall(r"= (\S+) xla::torch_pallas\(([^)]*)\)", text):
+        operands = [operand.strip() for operand in operands.split(",")]
+        if len(operands) == 2:
+            counts["dropout"] += 1
+        elif len(operands) == 3:
+            counts["dropout_add" if shapes.get(operands[2]) == output else "dropout_matmul"] += 1
+    if not matmul:
+        assert counts.pop("dropout_matmul") == 0
+    return counts
 
 
 def integers(*shape, scale=1.0):
@@ -135,6 +147,67 @@ def test_checkpointed_region_fuses_in_the_forward_and_the_recomputation():
         assert torch.equal(unfused.cpu(), fused.cpu())
 
 
+MATMUL_FORMS = {
+    "dropout(w) @ v": lambda w, v: F.dropout(w, 0.5) @ v,
+    "torch.matmul": lambda w, v: torch.matmul(torch.nn.Dropout(0.5)(w), v),
+    "Tensor.matmul": lambda w, v: torch.dropout(w, 0.5, True).matmul(v),
+}
+
+
+@pytest.mark.parametrize("form", MATMUL_FORMS)
+def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(form):
+    w, v = integers(2, 3, 16, 256).requires_grad_(), integers(2, 3, 256, 8).requires_grad_()
+    weights = integers(2, 3, 16, 8)
+    results = {}
+    for fuse in (False, True):
+        torch_xla.manual_seed(3)
+        with torch_pallas.route_dropout(fuse_matmul=fuse):
+            out = MATMUL_FORMS[form](w, v)
+        assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0, "dropout_matmul": int(fuse)}
+        results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (w, v))]
+    for unfused, fused in zip(results[False], results[True]):
+        assert torch.equal(unfused.cpu(), fused.cpu())  # integers: every sum exact
+
+
+def test_products_it_cannot_fuse_are_left_to_torch():
+    w, v = integers(2, 3, 16, 256), integers(2, 3, 256, 8)
+    cases = [  # (the product, given the dropout's output y and its input), each equal to the unfused one
+        lambda y, w: y @ v[0],                 # a broadcast value
+        lambda y, w: y @ v.double(),           # promotion
+        lambda y, w: v.transpose(-2, -1) @ y.transpose(-2, -1)[..., :16],  # the dropout on the right
+        lambda y, w: y.mul_(2) @ v,            # y written in place in between
+        lambda y, w: (w.add_(1), y)[1] @ v,    # the dropout's input written in place
+    ]
+    for product in cases:
+        results = []
+        for fuse in (False, True):
+            torch_xla.manual_seed(5)
+            fresh = w.clone()
+            with torch_pallas.route_dropout(fuse_matmul=fuse):
+                out = product(F.dropout(fresh, 0.5), fresh)
+            assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 0
+            results.append(out.cpu())
+        assert torch.equal(*results)
+    with torch_pallas.route_dropout(fuse_matmul=True):
+        eager_cpu = F.dropout(w.cpu(), 0.5) @ v.cpu()  # ran already: nothing to fuse
+    assert eager_cpu.shape == (2, 3, 16, 8)
+
+
+def test_fused_matmul_under_torch_func_grad_and_checkpointing():
+    w, v = integers(2, 16, 256), integers(2, 256, 8)
+    results = []
+    for fuse in (False, True):
+        torch_xla.manual_seed(6)
+        with torch_pallas.route_dropout(fuse_matmul=fuse):
+            grads = torch.func.grad(lambda w, v: (F.dropout(w, 0.5) @ v).square().sum(), argnums=(0, 1))(w, v)
+            w_grad, v_grad = (t.detach().requires_grad_() for t in (w, v))
+            out = torch_pallas.checkpoint(lambda w, v: F.dropout(w, 0.5) @ v, w_grad, v_grad)
+        out.square().sum().backward()
+        results.append([*grads, out, w_grad.grad, v_grad.grad])
+    for unfused, fused in zip(*results):
+        assert torch.equal(unfused.cpu(), fused.cpu())
+
+
 try:
     import transformers
 except ImportError:  # the tests above need no transformers
@@ -143,26 +216,28 @@ needs_transformers = pytest.mark.skipif(transformers is None, reason="the test e
                                         "pip install -e '.[test]'")
 
 
-def gpt2():
-    config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, use_cache=False)
+def gpt2(**options):
+    config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, use_cache=False,
+                                     **options)
     return transformers.GPT2Model(config), {"input_ids": torch.randint(0, 128, (2, 16))}
 
 
-def bert():
+def bert(**options):
     config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=128, max_position_embeddings=16)
+                                     intermediate_size=128, max_position_embeddings=16, **options)
     return transformers.BertModel(config), {"input_ids": torch.randint(0, 128, (2, 16))}
 
 
-def vit():
+def vit(**options):
     config = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, intermediate_size=128, hidden_dropout_prob=0.1)
+                                    num_attention_heads=2, intermediate_size=128, hidden_dropout_prob=0.1,
+                                    attention_probs_dropout_prob=0.1, **options)
     return transformers.ViTModel(config), {"pixel_values": torch.randn(2, 3, 16, 16)}
 
 
-def t5():
+def t5(**options):
     config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-                                   use_cache=False)
+                                   use_cache=False, **options)
     return transformers.T5EncoderModel(config), {"input_ids": torch.randint(0, 128, (2, 16))}
 
 
@@ -186,17 +261,37 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
 
 
 @needs_transformers
-def test_gpt2_trains_with_its_residual_dropouts_fused():
+@pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
+def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmul(make_model):
+    """With eager attention every layer's dropout of its attention weights joins the product
+    with the values (T5's too); the other dropouts are as with sdpa."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, use_cache=False)
+    model, inputs = make_model(attn_implementation="eager")
+    model = model.to(DEVICE).train()
+    inputs = {name: value.to(DEVICE) for name, value in inputs.items()}
+    with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
+        hidden = model(**inputs).last_hidden_state
+    fused, standalone = FUSED_AND_STANDALONE[make_model]
+    layers = 2
+    assert kernel_nodes(hidden, matmul=True) == {"dropout": standalone - (layers if make_model is t5 else 0),
+                                                 "dropout_add": fused, "dropout_matmul": layers}
+
+
+@needs_transformers
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_gpt2_trains_with_its_dropouts_fused(attention):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, use_cache=False,
+                                     attn_implementation=attention)
     model = transformers.GPT2LMHeadModel(config).to(DEVICE).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, 128, (2, 16)).to(DEVICE)
     losses = []
     for _ in range(4):
-        with torch_pallas.route_dropout(fuse_residual=True):
+        with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
             loss = model(input_ids=ids, labels=ids).loss
-        assert kernel_nodes(loss) == {"dropout": 1, "dropout_add": 4}
+        assert kernel_nodes(loss, matmul=True) == {"dropout": 1, "dropout_add": 4,
+                                                   "dropout_matmul": 2 if attention == "eager" else 0}
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

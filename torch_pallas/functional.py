@@ -9,9 +9,10 @@ import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
-from torch_pallas.ops import dropout as dropout_op, indrnn as indrnn_op
+from torch_pallas.kernels.dropout_matmul import check_shapes as check_matmul_shapes
+from torch_pallas.ops import dropout as dropout_op, dropout_matmul as dropout_matmul_op, indrnn as indrnn_op
 
-__all__ = ["dropout", "dropout_add", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
+__all__ = ["dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
@@ -121,6 +122,28 @@ class DrawnDropout(NamedTuple):
             return self.x * 0 + residual
         return dropout_op.apply_add(self.x, residual, self.key_data, self.p, self.impl, self.layout)
 
+    def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
+        """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
+        if self.key_data is not None and fuses_matmul(self, value):
+            return dropout_matmul_op.apply(self.x, value, self.key_data, self.p, self.impl)
+        return torch.matmul(self.output(), value)
+
+
+def fuses_matmul(drawn: DrawnDropout, value) -> bool:
+    """Whether ``drawn``'s output times ``value`` runs as one dropout_matmul kernel: weights
+    ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` of one batch (no broadcasting), dtype
+    (a kernel's: not float64) and device, a mask over the whole unsharded weights."""
+    weights = drawn.x
+    if not (isinstance(value, torch.Tensor) and value.dtype == weights.dtype and value.device == weights.device
+            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.layout is None
+            and sharding.resolve(value) is None):
+        return False
+    try:
+        check_matmul_shapes(weights.shape, value.shape)
+    except ValueError:
+        return False
+    return True
+
 
 def _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, found) -> DrawnDropout | None:
     """Checks :func:`dropout`'s arguments and draws its key; ``None`` when nothing is dropped
@@ -178,6 +201,60 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
                          f"{tuple(residual.shape)} on {residual.device}")
     drawn = _draw_dropout(x, p, training, seed, generator, impl, False, sharding.resolve(x))
     return x + residual if drawn is None else drawn.added_to(residual)
+
+
+def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None,
+                   generator=None, impl=None) -> torch.Tensor:
+    r"""Returns ``dropout(weights, p) @ value`` computed in one kernel: eager attention's
+    ``torch.matmul(dropout(softmax(scores)), value)``.
+
+    Apart, the dropout writes the dropped weights, the product reads them back, and autograd
+    keeps them for ``value``'s gradient: a tensor of the weights' size kept per layer. Fused,
+    the kernel reads the weights once, and the backward kernel regenerates the mask from the
+    8-byte key, keeping only ``weights`` and ``value`` (the softmax before them keeps the
+    weights anyway). A kept weight is ``weights / (1 - p)`` rounded to its dtype, as
+    :func:`dropout` computes it; the products accumulate in float32.
+
+    The mask is that of :func:`torch_pallas.scaled_dot_product_attention`'s dropout for
+    ``(*batch, L, S)`` weights: with ``impl="threefry"`` :func:`dropout`'s for the same key
+    (bit for bit ``jax.random.bernoulli(key, 1 - p, weights.shape)``); with
+    ``impl="hardware"`` seeded per tile of each ``L x S`` plane, which is not the mask
+    :func:`dropout` draws for the same key.
+
+    One kernel runs for weights ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` with the
+    same batch dims, of one dtype among float32, bfloat16 and float16, not split by SPMD
+    sharding. Any other pair :func:`torch.matmul` takes is computed as ``dropout(weights, p)
+    @ value``, :func:`dropout`'s kernel and then the product.
+
+    Args:
+        weights (Tensor): what is dropped: float32, bfloat16, float16 or float64, on an XLA
+            device or the CPU.
+        value (Tensor): what it multiplies: a tensor of ``weights``' dtype and device that
+            :func:`torch.matmul` takes with it.
+        p, training, seed, generator, impl: as for :func:`dropout`.
+
+    Returns:
+        Tensor: ``dropout(weights, p) @ value`` (``weights @ value`` when nothing is dropped:
+        ``training=False`` or ``p == 0``).
+
+    Raises:
+        TypeError: as :func:`dropout`, and a ``value`` that is not a tensor of ``weights``'
+            dtype.
+        ValueError: as :func:`dropout`, and a ``value`` on another device than ``weights``.
+
+    Example::
+
+        >>> weights = torch.softmax(query @ key.transpose(-2, -1) * scale, dim=-1)
+        >>> out = torch_pallas.dropout_matmul(weights, value, p=0.1)
+    """
+    _checks.check_tensor(weights, "weights")
+    _checks.check_tensor(value, "value")
+    if value.dtype != weights.dtype:
+        raise TypeError(f"value must have weights' dtype {weights.dtype}, got {value.dtype}")
+    if value.device != weights.device:
+        raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
+    drawn = _draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
+    return torch.matmul(weights, value) if drawn is None else drawn.multiplied_by(value)
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):

@@ -23,6 +23,7 @@ import inspect
 import itertools
 
 import torch
+from torch.autograd import forward_ad
 
 from torch_pallas import bridge, functional, sharding
 
@@ -88,6 +89,25 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
     (_, drawn), residual = max(candidates, key=lambda candidate: candidate[0][0])
     total = drawn.added_to(residual)
     return input.copy_(total) if func is torch.Tensor.add_ else total
+
+
+# ``torch.matmul(a, b)``, ``a.matmul(b)`` and ``a @ b`` as a TorchFunctionMode sees them.
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
+    """The product ``func(*args, **kwargs)`` (one of :data:`MATMULS`) of a remembered dropout's
+    output (attention weights) and a value it pairs with in one kernel, as ``dropout_matmul``
+    with the dropout's key; ``None`` when it is not such a product, or under ``torch.func``'s
+    transforms and forward-mode AD, which the fused op's backward kernel does not serve."""
+    if kwargs.get("out") is not None or len(args) != 2 or torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
+    if forward_ad._current_level >= 0:
+        return None
+    found = _drawn_dropout_of(args[0])
+    if found is None or not functional.fuses_matmul(found[1], args[1]):
+        return None
+    return found[1].multiplied_by(args[1])
 
 
 def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:

@@ -59,6 +59,16 @@ class route_dropout(TorchFunctionMode):
         attention (str): which ``F.scaled_dot_product_attention`` calls on XLA tensors run
             as torch_pallas's: ``"dropout"`` (default) those with ``dropout_p > 0``,
             ``"all"`` every one (evaluation too), ``"none"`` none.
+        fuse_matmul (bool): run ``torch.matmul`` (``@``, ``Tensor.matmul``) of a routed
+            ``F.dropout`` / ``torch.dropout`` output ``(*batch, L, S)`` (eager attention's
+            dropped weights) and a value ``(*batch, S, Ev)`` of its batch dims, dtype and
+            device as :func:`torch_pallas.dropout_matmul` with the dropout's key: one kernel
+            that keeps no dropped weights for the backward pass. With ``impl="threefry"`` the
+            same mask; with ``impl="hardware"`` the mask is drawn per attention tile
+            (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
+            holds, so read that output nowhere else (``output_attentions``) with this on.
+            Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s
+            transforms. Default: ``False``.
         fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
             output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
             ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)
@@ -72,7 +82,7 @@ class route_dropout(TorchFunctionMode):
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
-        TypeError: ``fuse_residual`` is not a bool.
+        TypeError: ``fuse_residual`` or ``fuse_matmul`` is not a bool.
 
     Example::
 
@@ -81,15 +91,17 @@ class route_dropout(TorchFunctionMode):
         >>> loss.backward()                  # masks regenerated from their keys
     """
 
-    def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False):
+    def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False,
+                 fuse_matmul: bool = False):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
         self.attention = arguments.check_one_of("attention", attention, ATTENTION_ROUTES)
-        if not isinstance(fuse_residual, bool):
-            raise TypeError(f"fuse_residual must be True or False, got {type(fuse_residual).__name__} "
-                            f"{fuse_residual!r}")
+        for name, value in (("fuse_residual", fuse_residual), ("fuse_matmul", fuse_matmul)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
         self.fuse_residual = fuse_residual
+        self.fuse_matmul = fuse_matmul
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,11 +112,15 @@ class route_dropout(TorchFunctionMode):
             input, p, training = call.args[:3]
             if input.is_floating_point() and bridge.runs_on(input.device):
                 inplace = call.arguments.get("inplace", False)
-                if self.fuse_residual and ours is functional.dropout and not inplace:
+                if (self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace:
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
                 return ours(input, p, training, inplace, impl=self.impl)
         elif self.fuse_residual and func in residual_fusion.ADDS and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_add(func, args, kwargs)
+            if fused is not None:
+                return fused
+        elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
+            fused = residual_fusion.fused_matmul(func, args, kwargs)
             if fused is not None:
                 return fused
         elif func is F.scaled_dot_product_attention and self.attention != "none":

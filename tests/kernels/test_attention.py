@@ -12,31 +12,12 @@ import jax.numpy as jnp
 import pytest
 from jax._src import config as jax_config
 
-from reference import emulated_hardware_tile_bits, jax_key, jax_random_part, key_data
+from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
+from reference import jax_key, jax_random_part, key_data
 from torch_pallas.kernels import attention, prng
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
-
-
-def threefry_keep(shape, dropout_p):
-    return np.asarray(jax.random.bernoulli(jax_key(1234), np.float32(1 - dropout_p), shape))
-
-
-def hardware_keep(shape, dropout_p):
-    """The emulated hardware PRNG's mask: tile (i, j) of plane b gets the bits of tile index
-    ``b * tiles_per_plane + i * tiles_per_row + j`` (the plane padded to whole tiles)."""
-    *batch, L, S = shape
-    tile = attention.attention_tile(L, S)
-    rows, cols = -(-L // tile[0]), -(-S // tile[1])
-    hardware_key = np.asarray(prng.hardware_key_data(jnp.asarray(KEY)))
-    planes = []
-    for b in range(int(np.prod(batch))):
-        plane = np.block([[np.asarray(emulated_hardware_tile_bits(hardware_key, np.int32((b * rows + i) * cols + j),
-                                                                  tile)) for j in range(cols)] for i in range(rows)])
-        planes.append(plane[:L, :S])
-    bits = jnp.asarray(np.stack(planes).reshape(shape))
-    return np.asarray(prng.bernoulli_from_bits(bits, np.float32(1 - dropout_p)))
 
 
 def reference(query, key, value, bias, keep, *, dropout_p, causal, scale, gqa):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import NEEDS_LIBTPU, ON_TPU
-from torch_pallas.kernels import attention, compat, dropout, indrnn, prng, sampling
+from torch_pallas.kernels import attention, compat, dropout, dropout_matmul, indrnn, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
 
@@ -296,6 +296,26 @@ def test_attention_per_shard_on_a_2x2_topology(generation, impl):
                                    generation=generation)
 
 
+def dropout_matmul_forward_and_backward(key_data, weights, value, **options):
+    out = dropout_matmul.dropout_matmul_forward(key_data, weights, value, interpret=False, **options)
+    return out, dropout_matmul.dropout_matmul_backward(key_data, weights, value, out, interpret=False, **options)
+
+
+# Eager attention's weights: GPT-2 small's (1024 tokens, head dim 64) and ViT-B/16's 197 patches
+# (lengths no block divides).
+DROPOUT_MATMUL_SHAPES = {"1024": (96, 1024, 1024, 64), "197": (24, 197, 197, 64)}
+
+
+@pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
+def test_dropout_matmul(generation, impl, dtype):
+    for name in DROPOUT_MATMUL_SHAPES if dtype != "float16" else ("197",):
+        planes, L, S, Ev = DROPOUT_MATMUL_SHAPES[name]
+        weights = jax.ShapeDtypeStruct((planes, L, S), DTYPES[dtype])
+        value = jax.ShapeDtypeStruct((planes, S, Ev), DTYPES[dtype])
+        compiles(functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl=impl), KEY, weights, value,
+                 generation=generation)
+
+
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,
 # lengths, sharded programs (tensors past 2**32 elements included) and attention's masks.
 REPRESENTATIVE = {
@@ -312,6 +332,8 @@ REPRESENTATIVE = {
     "attention": lambda generation: (test_attention(generation, "hardware", "float32"),
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "bool"),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
+    "dropout-matmul": lambda generation: (test_dropout_matmul(generation, "threefry", "bfloat16"),
+                                          test_dropout_matmul(generation, "hardware", "float32")),
 }
 
 

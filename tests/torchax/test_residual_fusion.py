@@ -1,5 +1,6 @@
-"""route_dropout(fuse_residual=True) on torchax tensors: inside a JAX trace the add of a routed
-dropout is dropout_add with the dropout's key, and the traced step holds one kernel."""
+"""route_dropout(fuse_residual=True, fuse_matmul=True) on torchax tensors: inside a JAX trace
+the add of a routed dropout is dropout_add, and its product with a value dropout_matmul, with
+the dropout's key; the traced step holds one kernel."""
 
 import jax
 from jax._src.interpreters import partial_eval
@@ -45,6 +46,28 @@ def test_traced_residual_dropout_is_one_kernel_with_the_unfused_mask():
     with eager:  # eager torchax: the dropout kernel has run already, nothing is fused
         y = F.dropout(torch_view(x), 0.5)
     assert not hasattr(y, "_torch_pallas_drawn_dropout")
+
+
+def attention_product(fuse_matmul):
+    def product(weights, value, key):
+        with ENV, torch_pallas.seeds.key_scope(torch_view(key)), torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+            return jax_view(F.dropout(torch_view(weights), 0.5) @ torch_view(value))
+    return jax.jit(product)
+
+
+@pytest.mark.usefixtures("in_env")
+def test_traced_attention_dropout_and_its_product_are_one_kernel_with_the_unfused_values_and_gradients():
+    rng = np.random.default_rng(1)
+    weights = jax_view(jax_tensor(rng.integers(-8, 8, (2, 16, 256)).astype(np.float32)))
+    value = jax_view(jax_tensor(rng.integers(-8, 8, (2, 256, 8)).astype(np.float32)))
+    key = jax_view(torch_pallas.seeds.key_data(seed=4))
+    fused, unfused = attention_product(True), attention_product(False)
+    for f, u in zip(jax.vjp(fused, weights, value, key)[:1] + (jax.grad(lambda w, v: fused(w, v, key).sum(),
+                                                                        argnums=(0, 1))(weights, value)),
+                    jax.vjp(unfused, weights, value, key)[:1] + (jax.grad(lambda w, v: unfused(w, v, key).sum(),
+                                                                          argnums=(0, 1))(weights, value))):
+        np.testing.assert_array_equal(np.asarray(f), np.asarray(u))  # integers: every sum exact
+    assert kernels(fused, weights, value, key, dead_code_removed=True) == 1
 
 
 def test_compile_backend_names_what_to_use_on_torchax():

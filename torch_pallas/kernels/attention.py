@@ -45,7 +45,7 @@ from torch_pallas.kernels import arguments, compat, prng, tiling
 # The row statistics (log-sum-exp; the backward's rowsum(dO * O)) cross kernel boundaries as
 # (rows, ROW_STAT_LANES) float32 blocks.
 ROW_STAT_LANES = tiling.LANES
-_TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
+TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
 _HARDWARE_TILE_MAX_COLS = 512
 _HARDWARE_TILE_MAX_ROWS = 256
 
@@ -94,6 +94,14 @@ class _Problem:
     @property
     def size(self):
         return math.prod(self.batch)
+
+
+def weights_problem(batch, L: int, S: int, Ev: int) -> _Problem:
+    """The problem of attention weights already computed, ``(*batch, L, S)``, multiplied by a
+    value of the same batch dims, ``(*batch, S, Ev)``: what :func:`kept_weights` and
+    :func:`resolve_blocks` need (no query or key)."""
+    same = _layout(tuple(batch), tuple(batch))
+    return _Problem(tuple(batch), L, S, 0, Ev, same, None, L)
 
 
 def attention_tile(L: int, S: int) -> tuple[int, int]:
@@ -240,7 +248,7 @@ def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
     """The (q, kv) block of scaled scores, float32, ``-inf`` where masked out (causal, padded
     keys, the bias's ``-inf``)."""
     problem, blocks = static.problem, static.blocks
-    s = lax.dot_general(q, k, _TRANSPOSE_RHS, preferred_element_type=jnp.float32) * np.float32(static.scale)
+    s = lax.dot_general(q, k, TRANSPOSE_RHS, preferred_element_type=jnp.float32) * np.float32(static.scale)
     if bias_ref is not None:
         s = s + bias_ref[...].astype(jnp.float32)
     shape = (blocks.q, blocks.kv)
@@ -274,7 +282,7 @@ def _global_plane(static: _Static, noise_ref, b):
     return plane
 
 
-def _kept(static: _Static, key_ref, b, q_index, kv_index):
+def kept_weights(static: _Static, key_ref, b, q_index, kv_index):
     """bool (q, kv): which weights of the block dropout keeps. The kernels select with it and
     apply ``1 / (1 - p)`` once per row (:func:`kept_scale`), not per weight."""
     problem, blocks = static.problem, static.blocks
@@ -339,7 +347,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         sum_ref[...] = correction * sum_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         max_ref[...] = new_max
         if static.dropout_p:
-            p = jnp.where(_kept(static, key_ref, b, q_index, kv_index), p, np.float32(0.0))
+            p = jnp.where(kept_weights(static, key_ref, b, q_index, kv_index), p, np.float32(0.0))
         v = v_ref[...]
         acc_ref[...] = (_lanes(correction, static.problem.Ev) * acc_ref[...]
                         + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
@@ -368,7 +376,7 @@ def _lanes(row_stat, cols):
     return jnp.broadcast_to(row_stat[:, :1], (row_stat.shape[0], cols))
 
 
-def _padded(array, axis, length):
+def padded(array, axis, length):
     if array.shape[axis] == length:
         return array
     padding = [(0, 0)] * array.ndim
@@ -376,7 +384,7 @@ def _padded(array, axis, length):
     return jnp.pad(array, padding)
 
 
-def _flatten(array):
+def flatten(array):
     """``array`` (*batch', rows, cols) as (prod(batch'), rows, cols)."""
     return array.reshape(-1, *array.shape[-2:])
 
@@ -385,15 +393,15 @@ def _kernel_operands(query, key, value, bias, problem: _Problem, L_padded: int, 
     """query (broadcast to the output's batch), key, value and the bias as the kernels read
     them: flat batch, lengths padded to whole blocks; the bias with a boolean mask as 0 /
     -inf in query's dtype, its key dim broadcast (padded keys are masked in the kernels)."""
-    q = _padded(_flatten(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E))), 1, L_padded)
-    k, v = (_padded(_flatten(operand), 1, S_padded) for operand in (key, value))
+    q = padded(flatten(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E))), 1, L_padded)
+    k, v = (padded(flatten(operand), 1, S_padded) for operand in (key, value))
     if bias is not None:
         if bias.dtype == jnp.bool_:
             bias = jnp.where(bias, jnp.zeros((), query.dtype), jnp.full((), -jnp.inf, query.dtype))
         bias = bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)
-        bias = _padded(_flatten(jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))), 2, S_padded)
+        bias = padded(flatten(jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))), 2, S_padded)
         if problem.bias_rows != 1:
-            bias = _padded(bias, 1, L_padded)
+            bias = padded(bias, 1, L_padded)
     return q, k, v, bias
 
 
@@ -403,7 +411,7 @@ def _widened(*arrays):
                  for array in arrays)
 
 
-def _compiler_params():
+def compiler_params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
@@ -447,14 +455,14 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
     return specs, ordered, q_block
 
 
-def _noise_words(key_data, impl, shard_offset):
+def noise_words(key_data, impl, shard_offset):
     """The kernels' SMEM words: the key (for the hardware PRNG ``to_pallas_key``'s), then for a
     shard the [high, low] words of its first plane's flat batch index."""
     key = prng.hardware_key_data(key_data) if impl == prng.HARDWARE else key_data
     return key if shard_offset is None else jnp.concatenate([key, shard_offset.reshape(2).astype(jnp.int32)])
 
 
-def _static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape):
+def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape):
     blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward)
     global_batch = None if global_shape is None else tuple(global_shape[:-2])
     planes = problem.size if global_batch is None else math.prod(global_batch)
@@ -505,7 +513,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                                      causal=causal, scale=scale, gqa=gqa, interpret=interpret, blocks=blocks,
                                      global_shape=global_shape, shard_offset=shard_offset)
         return out.astype(query.dtype), lse
-    static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
@@ -524,9 +532,9 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         scratch_shapes=[pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
                         pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
                         pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
-        compiler_params=_compiler_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
-    )(*[_noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
+    )(*[noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
     out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
     return out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)
 
@@ -554,10 +562,10 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         v = v_ref[...]
         # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
         # factor is in it, so a dropped weight is a select.
-        grad_p = lax.dot_general(grad_out, v, _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        grad_p = lax.dot_general(grad_out, v, TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         dropped = p
         if static.dropout_p:
-            kept = _kept(static, key_ref, b, q_index, kv_index)
+            kept = kept_weights(static, key_ref, b, q_index, kv_index)
             dropped = jnp.where(kept, p, np.float32(0.0))
             grad_p = jnp.where(kept, grad_p, np.float32(0.0))
         grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
@@ -587,9 +595,9 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
         k = k_ref[...]
         s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
         p = _probabilities(s, _lanes(lse_ref[...], static.blocks.kv))
-        grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], _TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         if static.dropout_p:
-            grad_p = jnp.where(_kept(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
+            grad_p = jnp.where(kept_weights(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
         grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
         if bias_grad:
             grad_bias_ref[...] = grad_s
@@ -641,14 +649,14 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         grads = attention_backward(key_data, wide_query, wide_key, wide_value, wide_out, lse, wide_grad_out, wide_bias,
                                    **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
-    static = _static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
     rows = (problem.size, problem.L)
 
     def per_row(array):
-        return _padded(array.reshape(*rows, -1), 1, L_padded)
+        return padded(array.reshape(*rows, -1), 1, L_padded)
 
     q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
     grad_out = per_row(grad_out).astype(jnp.float32)
@@ -659,7 +667,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     lse_rows = jnp.broadcast_to(lse_rows[..., None], (*lse_rows.shape, ROW_STAT_LANES))
     delta = jnp.broadcast_to(delta, (problem.size, L_padded, ROW_STAT_LANES))
     has_bias = prepared_bias is not None
-    operands = [_noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []),
+    operands = [noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []),
                 grad_out, lse_rows, delta]
     num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
 
@@ -676,7 +684,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
                    jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((blocks.kv, problem.E), jnp.float32),
                         pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
-        compiler_params=_compiler_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
     )(*operands)
 
@@ -694,7 +702,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],
-        compiler_params=_compiler_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
     )(*operands)
 

@@ -16,14 +16,19 @@ import jax.numpy as jnp
 from torch_pallas.kernels import arguments, elementwise, prng, tiling
 
 
-def _apply_mask(bits, values, *residual, keep_probability):
-    keep = prng.bernoulli_from_bits(bits, keep_probability)
+def kept_values(keep, values, keep_probability) -> jax.Array:
+    """float32 ``where(keep, values / keep_probability, values * 0)``: what dropout makes of
+    ``values`` given where it keeps them, before the one rounding to their dtype."""
     # Scaling in float32 (then rounding once) keeps 16-bit inputs off the 16-bit VPU paths
     # that older TPUs lack.
     wide = values.astype(jnp.float32)
     # x * 0, not 0: a dropped NaN or infinity gives NaN, as torch's dropout (x * mask)
     # gives, so a diverging run still shows its NaNs.
-    out = jnp.where(keep, wide / keep_probability, wide * 0.0)
+    return jnp.where(keep, wide / keep_probability, wide * 0.0)
+
+
+def _apply_mask(bits, values, *residual, keep_probability):
+    out = kept_values(prng.bernoulli_from_bits(bits, keep_probability), values, keep_probability)
     if residual:
         out = out + residual[0].astype(jnp.float32)
     return out.astype(values.dtype)

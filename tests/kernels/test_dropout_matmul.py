@@ -1,0 +1,93 @@
+"""``dropout(weights) @ value`` in one kernel against float64 references given the same mask:
+values and both gradients, across dtypes, batch ranks, lengths that are not block multiples and
+blocks that differ between forward and backward, both noise impls (hardware emulated). The
+threefry mask is jax.random's, so the dropout kernel's for the same key."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import config as jax_config
+
+from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
+from reference import key_data
+from torch_pallas.kernels import dropout, dropout_matmul
+from torch_pallas.kernels.attention import AttentionBlocks as Blocks
+
+KEY = key_data(1234)
+
+
+def _case(shape_w, Ev, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    weights = rng.random(shape_w).astype(np.float32)
+    value = rng.standard_normal((*shape_w[:-2], shape_w[-1], Ev)).astype(np.float32)
+    grad_out = rng.standard_normal((*shape_w[:-1], Ev)).astype(np.float32)
+    return (jnp.asarray(weights, dtype), jnp.asarray(value, dtype), jnp.asarray(grad_out, dtype))
+
+
+def _reference(weights, value, grad_out, keep, p):
+    """Output and gradients in float64, the kept weights scaled by 1 / (1 - p)."""
+    def product(w, v):
+        return jnp.einsum("...ls,...sd->...ld", jnp.where(keep, w / (1 - p), 0.0), v)
+
+    as64 = [np.asarray(x, np.float64) for x in (weights, value, grad_out)]
+    out, vjp = jax.vjp(product, as64[0], as64[1])
+    return (out, *vjp(as64[2]))
+
+
+def _check(shape_w, Ev, *, p=0.25, dtype=jnp.float32, impl="threefry", blocks=None, backward_blocks=None, rtol=1e-5):
+    weights, value, grad_out = _case(shape_w, Ev, dtype)
+    keep = (threefry_keep if impl == "threefry" else hardware_keep)(shape_w, p)
+    with jax_config.enable_x64(True):  # jax.experimental.enable_x64 is gone in jax 0.10
+        expected = _reference(weights, value, grad_out, keep, p)
+    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=p, impl=impl, interpret=True,
+                                                blocks=blocks)
+    grads = dropout_matmul.dropout_matmul_backward(jnp.asarray(KEY), weights, value, grad_out, p=p, impl=impl,
+                                                   interpret=True, blocks=backward_blocks)
+    assert out.dtype == dtype and out.shape == expected[0].shape
+    for got, want, operand in zip((out, *grads), expected, (grad_out, weights, value)):
+        assert got.shape == operand.shape and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=rtol * 10)
+
+
+@pytest.mark.parametrize("shape_w, Ev, blocks, backward_blocks", [
+    ((2, 3, 64, 256), 32, Blocks(16, 128), Blocks(32, 128)),   # several blocks each way, differing
+    ((1, 40, 300), 16, Blocks(16, 128), Blocks(8, 256)),        # lengths not block multiples (padded)
+    ((24, 130), 8, None, None),                                 # no batch dims; default blocks
+    ((2, 2, 197, 197), 64, None, None),                         # ViT's lengths
+])
+def test_threefry_matches_the_reference(shape_w, Ev, blocks, backward_blocks):
+    _check(shape_w, Ev, blocks=blocks, backward_blocks=backward_blocks)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
+def test_16_bit_dtypes(dtype, rtol):
+    _check((2, 32, 256), 64, dtype=dtype, rtol=rtol)
+
+
+def test_hardware_matches_the_reference_with_the_attention_kernels_mask(emulated_hardware_prng):
+    _check((1, 2, 40, 300), 16, impl="hardware", backward_blocks=Blocks(8, 512))
+
+
+def test_the_threefry_mask_is_the_dropout_kernels():
+    """Fused or not, the same weights are dropped: dropout's kernel then a product in float64."""
+    weights, value, _ = _case((2, 48, 384), 8, jnp.float32, seed=3)
+    dropped = dropout.dropout(jnp.asarray(KEY), weights, p=0.5, interpret=True)
+    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.5, interpret=True,
+                                                blocks=Blocks(16, 128))
+    expected = np.einsum("bls,bsd->bld", np.asarray(dropped, np.float64), np.asarray(value, np.float64))
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dropped_nan_gives_nan_as_torchs_dropout():
+    weights, value, grad_out = _case((1, 8, 128), 8, jnp.float32)
+    weights = weights.at[0, 0, :].set(jnp.nan)
+    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.5, interpret=True)
+    assert np.isnan(np.asarray(out[0, 0])).all() and not np.isnan(np.asarray(out[0, 1:])).any()
+
+
+@pytest.mark.parametrize("weights, value", [((2, 8, 16), (2, 16)), ((2, 8, 16), (3, 16, 4)), ((8, 16), (8, 4))])
+def test_shapes_that_do_not_pair_are_rejected(weights, value):
+    with pytest.raises(ValueError, match="share their batch dims and S"):
+        dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros(weights), jnp.zeros(value), p=0.1,
+                                              interpret=True)

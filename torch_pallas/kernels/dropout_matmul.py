@@ -1,0 +1,182 @@
+"""Dropout of attention weights and their product with the values in one Pallas kernel:
+``dropout(weights) @ value``, as models with eager attention write it
+(``torch.matmul(dropout(softmax(scores)), value)``).
+
+Apart, the dropout kernel writes the dropped weights (``*batch x L x S``) to memory, the
+matrix product reads them back, and autograd keeps them for the value's gradient. Here the
+forward kernel reads the weights once and writes only ``(*batch, L, Ev)``; the backward kernel
+regenerates the mask from the 8-byte key and writes the weights' gradient and the value's.
+Nothing of size ``L x S`` is saved but the weights themselves, which the softmax before them
+keeps anyway.
+
+The mask is the one :mod:`torch_pallas.kernels.attention`'s kernels draw for ``(*batch, L,
+S)`` weights (:func:`attention.kept_weights`): with ``impl="threefry"`` bit for bit
+``jax.random.bernoulli(key, 1 - p, weights.shape)``, so :func:`dropout.dropout`'s mask for the
+same key; with ``impl="hardware"`` seeded per :func:`attention.attention_tile`, which is not
+:func:`dropout.dropout`'s hardware mask (that one is seeded per tile of a lane-dense view of
+the whole tensor). A kept weight is ``weights / (1 - p)`` rounded to the weights' dtype, as
+the dropout kernel computes it; the products accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels import arguments, attention, prng, tiling
+from torch_pallas.kernels.dropout import kept_values
+
+
+def check_shapes(weights_shape, value_shape) -> None:
+    """Raises ValueError unless ``weights (*batch, L, S)`` and ``value (*batch, S, Ev)`` share
+    their batch dims (no broadcasting) and ``S``."""
+    if (len(weights_shape) < 2 or len(value_shape) != len(weights_shape)
+            or tuple(weights_shape[:-2]) != tuple(value_shape[:-2]) or weights_shape[-1] != value_shape[-2]):
+        raise ValueError(f"weights (*batch, L, S) and value (*batch, S, Ev) must share their batch dims and S, "
+                         f"got {tuple(weights_shape)} and {tuple(value_shape)}")
+
+
+def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward):
+    p = arguments.check_probability(p)
+    prng.check_can_run(impl, interpret)
+    check_shapes(weights.shape, value.shape)
+    *batch, L, S = weights.shape
+    problem = attention.weights_problem(batch, L, S, value.shape[-1])
+    static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
+                                      interpret=interpret, backward=backward, global_shape=None)
+    L_padded = tiling.round_up(L, static.blocks.q)
+    S_padded = tiling.round_up(S, static.blocks.kv)
+    # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
+    w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
+    v = attention.padded(attention.flatten(value), 1, S_padded)
+    return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
+
+
+def _dropped(static, key_ref, w, b, q_index, kv_index):
+    """The block of dropped weights, in their dtype, as :func:`dropout.dropout` writes them."""
+    keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
+    return kept_values(keep, w, np.float32(1.0 - static.dropout_p)).astype(w.dtype)
+
+
+def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static):
+    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(kv_index == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    v = v_ref[...]
+    dropped = _dropped(static, key_ref, w_ref[...], b, q_index, kv_index)
+    acc_ref[...] += jnp.dot(dropped.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    @pl.when(kv_index == pl.num_programs(2) - 1)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
+                           blocks: attention.AttentionBlocks | None = None):
+    """``dropout(weights, p) @ value`` in one kernel (see the module docstring).
+
+    Args:
+        key_data: int32 (2,) threefry key words.
+        weights: ``(*batch, L, S)`` float32, bfloat16 or float16.
+        value: ``(*batch, S, Ev)`` of the weights' dtype.
+        p: drop probability in [0, 1].
+        impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
+        interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
+        blocks: rows of L (``q``) and of S (``kv``) per grid step (default: the attention
+            forward kernel's).
+
+    Returns:
+        ``(*batch, L, Ev)`` in the weights' dtype.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], shapes :func:`check_shapes` rejects, or blocks
+            :func:`attention.resolve_blocks` rejects.
+    """
+    if weights.dtype == jnp.float16:
+        wide_weights, wide_value = tiling.widen_float16(weights, value)
+        return dropout_matmul_forward(key_data, wide_weights, wide_value, p=p, impl=impl, interpret=interpret,
+                                      blocks=blocks).astype(weights.dtype)
+    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False)
+    problem, blocks = static.problem, static.blocks
+    out = pl.pallas_call(
+        functools.partial(_forward_kernel, static=static),
+        grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
+                  pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, i, j: (b, j, 0))],
+        out_specs=pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, i, j: (b, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype),
+        scratch_shapes=[pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
+        compiler_params=attention.compiler_params(),
+        interpret=interpret,
+    )(words, w, v)
+    return out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
+
+
+def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, grad_v_acc, *, static):
+    b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(q_index == 0)
+    def _():
+        grad_v_acc[...] = jnp.zeros(grad_v_acc.shape, jnp.float32)
+
+    grad_out = grad_out_ref[...]
+    keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
+    keep_probability = np.float32(1.0 - static.dropout_p)
+    # The gradient of the dropped weights, then dropout's backward pass on it: the same mask.
+    grad_dropped = lax.dot_general(grad_out, v_ref[...], attention.TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+    grad_w_ref[...] = kept_values(keep, grad_dropped, keep_probability).astype(grad_w_ref.dtype)
+    w = w_ref[...]
+    dropped = kept_values(keep, w, keep_probability).astype(w.dtype)
+    grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
+
+    @pl.when(q_index == pl.num_programs(2) - 1)
+    def _():
+        grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
+
+
+def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, impl: str = prng.THREEFRY,
+                            interpret: bool, blocks: attention.AttentionBlocks | None = None):
+    """Gradients of :func:`dropout_matmul_forward` with respect to the weights and the value,
+    given the same key, options and the output's gradient ``(*batch, L, Ev)``, in one kernel.
+    ``blocks`` are its own (default: the attention backward kernels'): the mask is regenerated.
+
+    Returns:
+        ``(grad_weights (*batch, L, S), grad_value (*batch, S, Ev))`` in the operands' dtype.
+    """
+    if weights.dtype == jnp.float16:
+        grads = dropout_matmul_backward(key_data, *tiling.widen_float16(weights, value, grad_out), p=p, impl=impl,
+                                        interpret=interpret, blocks=blocks)
+        return tuple(grad.astype(weights.dtype) for grad in grads)
+    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, True)
+    problem, blocks = static.problem, static.blocks
+    grad_out = attention.padded(attention.flatten(grad_out.astype(weights.dtype)), 1, L_padded)
+    grad_w, grad_v = pl.pallas_call(
+        functools.partial(_backward_kernel, static=static),
+        # The value's gradient sums over the rows of L: they are the innermost axis, so each
+        # block of it stays in VMEM until it is whole.
+        grid=(problem.size, S_padded // blocks.kv, L_padded // blocks.q),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
+                  pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0)),
+                  pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, j, i: (b, i, 0))],
+        out_specs=[pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
+                   pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), weights.dtype),
+                   jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), value.dtype)],
+        scratch_shapes=[pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
+        compiler_params=attention.compiler_params(),
+        interpret=interpret,
+    )(words, w, v, grad_out)
+    grad_w = grad_w[:, :problem.L, :problem.S].reshape(weights.shape)
+    grad_v = grad_v[:, :problem.S].reshape(value.shape)
+    return grad_w, grad_v
