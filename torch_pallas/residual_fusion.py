@@ -1,5 +1,8 @@
-"""Residual dropouts in one kernel: ``residual + dropout(x)``, written by models as two calls,
-run as :func:`torch_pallas.dropout_add` with the dropout's own key (so its mask).
+"""Dropouts fused with what reads them, with the dropout's own key: residual adds
+(``residual + dropout(x)``, written by models as two calls) run as
+:func:`torch_pallas.dropout_add`, and, in lazy mode, eager attention's product of dropped
+weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout_matmul`
+(``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`).
 
 A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
 memory and read it back, a pass over the tensor that the fused kernel saves. How the add is
