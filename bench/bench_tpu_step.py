@@ -12,7 +12,8 @@ small, BERT-base, ViT-B/16, T5-base widths, with fewer layers than the released 
 change), every dropout p=0.1, built four ways with the same weights:
 
 - ``torch_pallas threefry`` / ``torch_pallas hardware``: every dropout routed to torch_pallas,
-  residual adds fused (``route_dropout(impl=..., fuse_residual=True)``); each kernel a Mosaic TPU
+  residual adds and eager attention's products fused (``route_dropout(impl=...,
+  fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
   custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
 - ``torch``: torch's own dropout (XLA draws each mask and keeps it for the backward pass);
 - ``no dropout``: the model in eval mode (every dropout the identity), the floor.
@@ -241,8 +242,9 @@ def render(records: list) -> str:
         f"dropout p={P}, compiled whole for one chip of each generation by libtpu's compile-only client on this CPU "
         "machine (`torch_pallas.tpu_compile.compile_graph`; built under `tpu_compile.lowering_for_tpu()`, never run). "
         "Models: " + "; ".join(f"{name}: {text}" for name, (text, _) in MODELS.items()) + ". "
-        "`torch`: torch's dropout; the torch_pallas columns route every dropout and fuse residual adds "
-        "(`route_dropout(impl=..., fuse_residual=True)`), and give "
+        "`torch`: torch's dropout; the torch_pallas columns route every dropout and fuse residual adds and eager "
+        "attention's products of dropped weights and values (`route_dropout(impl=..., fuse_residual=True, "
+        "fuse_matmul=True)`), and give "
         "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to torch's; "
         "`no dropout`: the model in eval mode. Attention `torch_pallas`: the model built with "
         "`attn_implementation=\"torch_pallas\"` (`register_attention()`: flash kernels, in-kernel dropout), its "
