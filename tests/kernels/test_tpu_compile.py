@@ -332,8 +332,7 @@ REPRESENTATIVE = {
     "attention": lambda generation: (test_attention(generation, "hardware", "float32"),
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "bool"),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
-    "dropout-matmul": lambda generation: (test_dropout_matmul(generation, "threefry", "bfloat16"),
-                                          test_dropout_matmul(generation, "hardware", "float32")),
+    "dropout-matmul": lambda generation: test_dropout_matmul(generation, "hardware", "bfloat16"),
 }
 
 

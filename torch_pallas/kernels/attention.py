@@ -536,7 +536,11 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         interpret=interpret,
     )(*[noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
     out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
-    return out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)
+    # One barrier for both outputs makes XLA take the one lane of the log-sum-exp that the
+    # backward pass needs when the forward pass reads the output: left to itself it schedules
+    # the slice just before the backward's reader and keeps the whole (rows, ROW_STAT_LANES)
+    # output alive in between, 128x the bytes.
+    return lax.optimization_barrier((out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)))
 
 
 def _probabilities(s, lse):
