@@ -163,10 +163,52 @@ def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(f
         torch_xla.manual_seed(3)
         with torch_pallas.route_dropout(fuse_matmul=fuse):
             out = MATMUL_FORMS[form](w, v)
-        assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0, "dropout_matmul": int(fuse)}
+        assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
+                                                  "dropout_matmul": int(fuse)}
         results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (w, v))]
     for unfused, fused in zip(results[False], results[True]):
         assert torch.equal(unfused.cpu(), fused.cpu())  # integers: every sum exact
+
+
+SOFTMAX_FORMS = {
+    "F.softmax": lambda s: F.softmax(s, dim=-1),
+    "torch.softmax": lambda s: torch.softmax(s, 3),
+    "Tensor.softmax": lambda s: s.softmax(-1),
+}
+
+
+def has_softmax(*tensors) -> bool:
+    return "softmax" in torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+
+
+@pytest.mark.parametrize("form", SOFTMAX_FORMS)
+def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form):
+    """The softmax joins the kernel: no softmax left in the lazy graph, values and gradients
+    within float32 rounding of the unfused ones (the kernel's softmax rounds its own way)."""
+    torch.manual_seed(0)
+    s = (torch.randn(2, 3, 16, 256) * 3).to(DEVICE).requires_grad_()
+    v = integers(2, 3, 256, 8).requires_grad_()
+    weights = integers(2, 3, 16, 8)
+    results = {}
+    for fuse in (False, True):
+        torch_xla.manual_seed(3)
+        with torch_pallas.route_dropout(fuse_matmul=fuse):
+            out = F.dropout(SOFTMAX_FORMS[form](s), 0.5) @ v
+        assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
+                                                  "dropout_matmul": int(fuse)}
+        assert has_softmax(out) != fuse
+        results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (s, v))]
+    for unfused, fused in zip(results[False], results[True]):
+        torch.testing.assert_close(fused.cpu(), unfused.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_softmax_it_cannot_take_is_left_before_the_fused_product():
+    s, v = integers(2, 16, 256), integers(2, 256, 8)
+    for softmax in (lambda s: F.softmax(s, dim=1), lambda s: F.softmax(s, dim=-1, dtype=torch.float64).float(),
+                    lambda s: F.softmax(s, dim=-1).mul_(1)):  # another dim, another dtype, written in place
+        with torch_pallas.route_dropout(fuse_matmul=True):
+            out = F.dropout(softmax(s), 0.5) @ v
+        assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 1 and has_softmax(out)
 
 
 def test_products_it_cannot_fuse_are_left_to_torch():
@@ -263,8 +305,8 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
 @needs_transformers
 @pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
 def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmul(make_model):
-    """With eager attention every layer's dropout of its attention weights joins the product
-    with the values (T5's too); the other dropouts are as with sdpa."""
+    """With eager attention every layer's softmax, dropout of its attention weights and product
+    with the values are one kernel (T5's too); the other dropouts are as with sdpa."""
     torch.manual_seed(0)
     model, inputs = make_model(attn_implementation="eager")
     model = model.to(DEVICE).train()
@@ -275,6 +317,7 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
     layers = 2
     assert kernel_nodes(hidden, matmul=True) == {"dropout": standalone - (layers if make_model is t5 else 0),
                                                  "dropout_add": fused, "dropout_matmul": layers}
+    assert not has_softmax(hidden)  # each layer's softmax is in its kernel too
 
 
 @needs_transformers

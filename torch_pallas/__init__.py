@@ -16,5 +16,6 @@ from torch_pallas.routing import route_dropout
 from torch_pallas.transformers_attention import register_attention  # imports transformers only when called
 
 __all__ = ["checkpoint", "dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn",
-           "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention", "nn", "packing", "random", "seeds"]
+           "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention", "nn", "packing",
+           "random", "seeds"]
 __version__ = "0.1.0"

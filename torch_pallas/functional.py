@@ -125,7 +125,7 @@ class DrawnDropout(NamedTuple):
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
         """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
         if self.key_data is not None and fuses_matmul(self, value):
-            return dropout_matmul_op.apply(self.x, value, self.key_data, self.p, self.impl)
+            return dropout_matmul_op.apply(self.x, value, self.key_data, self.p, self.impl, False)
         return torch.matmul(self.output(), value)
 
 

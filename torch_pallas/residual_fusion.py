@@ -1,7 +1,8 @@
 """Dropouts fused with what reads them, with the dropout's own key: residual adds
 (``residual + dropout(x)``, written by models as two calls) run as
 :func:`torch_pallas.dropout_add`, and, in lazy mode, eager attention's product of dropped
-weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout_matmul`
+weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout_matmul`, with
+the softmax before it when the weights are a remembered softmax of scores
 (``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`).
 
 A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
@@ -29,6 +30,7 @@ import torch
 from torch.autograd import forward_ad
 
 from torch_pallas import bridge, functional, sharding
+from torch_pallas.ops import dropout_matmul as dropout_matmul_op
 
 __all__ = ["BACKEND", "backend", "fuse_residual_dropouts"]
 
@@ -96,6 +98,37 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
 
 # ``torch.matmul(a, b)``, ``a.matmul(b)`` and ``a @ b`` as a TorchFunctionMode sees them.
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+# ``F.softmax(x, dim)``, ``torch.softmax(x, dim)`` and ``x.softmax(dim)``.
+SOFTMAXES = {torch.nn.functional.softmax: inspect.signature(lambda input, dim=None, _stacklevel=3, dtype=None: None),
+             torch.softmax: inspect.signature(lambda input, dim, dtype=None: None),
+             torch.Tensor.softmax: inspect.signature(lambda input, dim, dtype=None: None)}
+_SOFTMAX_OF = "_torch_pallas_softmax_of"
+
+
+def remembered_softmax(func, args, kwargs) -> torch.Tensor:
+    """``func(*args, **kwargs)`` (one of :data:`SOFTMAXES`); on tensors that run lazily, a
+    softmax over the last dim in the input's dtype remembers its input and the versions of
+    both, so that a routed dropout of it and its product with a value run as one kernel
+    (:func:`fused_matmul`)."""
+    output = func(*args, **kwargs)
+    try:
+        call = SOFTMAXES[func].bind(*args, **kwargs)
+    except TypeError:
+        return output
+    scores, dim, dtype = call.arguments["input"], call.arguments.get("dim"), call.arguments.get("dtype")
+    if (isinstance(scores, torch.Tensor) and isinstance(output, torch.Tensor) and scores.dim() >= 1
+            and dim in (-1, scores.dim() - 1) and dtype in (None, scores.dtype) and bridge.runs_lazily(scores)):
+        setattr(output, _SOFTMAX_OF, (scores, scores._version, output._version))
+    return output
+
+
+def _softmax_input_of(tensor) -> torch.Tensor | None:
+    """The scores whose softmax ``tensor`` is, if neither has been written in place since."""
+    remembered = getattr(tensor, _SOFTMAX_OF, None)
+    if remembered is None:
+        return None
+    scores, scores_version, version = remembered
+    return scores if scores._version == scores_version and tensor._version == version else None
 
 
 def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
@@ -110,7 +143,12 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
     found = _drawn_dropout_of(args[0])
     if found is None or not functional.fuses_matmul(found[1], args[1]):
         return None
-    return found[1].multiplied_by(args[1])
+    drawn = found[1]
+    scores = _softmax_input_of(drawn.x)
+    if scores is not None and drawn.key_data is not None:
+        # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
+        return dropout_matmul_op.apply(scores, args[1], drawn.key_data, drawn.p, drawn.impl, True)
+    return drawn.multiplied_by(args[1])
 
 
 def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:

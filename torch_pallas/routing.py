@@ -63,7 +63,10 @@ class route_dropout(TorchFunctionMode):
             ``F.dropout`` / ``torch.dropout`` output ``(*batch, L, S)`` (eager attention's
             dropped weights) and a value ``(*batch, S, Ev)`` of its batch dims, dtype and
             device as :func:`torch_pallas.dropout_matmul` with the dropout's key: one kernel
-            that keeps no dropped weights for the backward pass. With ``impl="threefry"`` the
+            that keeps no dropped weights for the backward pass. When the dropout's input is
+            ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` of scores over their last
+            dim (in their dtype), the softmax joins the kernel too (computed in float32 and
+            rounded once, whole rows per block), and only the scores are kept. With ``impl="threefry"`` the
             same mask; with ``impl="hardware"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
@@ -123,6 +126,8 @@ class route_dropout(TorchFunctionMode):
             fused = residual_fusion.fused_matmul(func, args, kwargs)
             if fused is not None:
                 return fused
+        elif self.fuse_matmul and func in residual_fusion.SOFTMAXES and not torch.compiler.is_compiling():
+            return residual_fusion.remembered_softmax(func, args, kwargs)
         elif func is F.scaled_dot_product_attention and self.attention != "none":
             call = _SDPA_SIGNATURE.bind(*args, **kwargs)
             call.apply_defaults()

@@ -91,3 +91,40 @@ def test_shapes_that_do_not_pair_are_rejected(weights, value):
     with pytest.raises(ValueError, match="share their batch dims and S"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros(weights), jnp.zeros(value), p=0.1,
                                               interpret=True)
+
+
+def _softmax_reference(scores, value, grad_out, keep, p):
+    """dropout(softmax(scores)) @ value and its gradients in float64."""
+    def product(s, v):
+        return jnp.einsum("...ls,...sd->...ld", jnp.where(keep, jax.nn.softmax(s, axis=-1) / (1 - p), 0.0), v)
+
+    as64 = [np.asarray(x, np.float64) for x in (scores, value, grad_out)]
+    out, vjp = jax.vjp(product, as64[0], as64[1])
+    return (out, *vjp(as64[2]))
+
+
+@pytest.mark.parametrize("impl, shape_w, Ev, blocks", [
+    ("threefry", (2, 3, 64, 256), 32, Blocks(16, 256)),   # several row blocks
+    ("threefry", (1, 40, 300), 16, None),                  # default blocks: whole rows, L in one block
+    ("threefry", (2, 2, 197, 197), 64, None),              # ViT's lengths
+    ("hardware", (1, 2, 40, 300), 16, None),               # rows and columns padded to whole tiles (-inf scores)
+])
+def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request):
+    if impl == "hardware":
+        request.getfixturevalue("emulated_hardware_prng")
+    scores, value, grad_out = _case(shape_w, Ev, jnp.float32, seed=2)
+    scores = scores * 8 - 4
+    keep = (threefry_keep if impl == "threefry" else hardware_keep)(shape_w, 0.25)
+    with jax_config.enable_x64(True):
+        expected = _softmax_reference(scores, value, grad_out, keep, 0.25)
+    options = dict(p=0.25, impl=impl, interpret=True, blocks=blocks, softmax=True)
+    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), scores, value, **options)
+    grads = dropout_matmul.dropout_matmul_backward(jnp.asarray(KEY), scores, value, grad_out, **options)
+    for got, want in zip((out, *grads), expected):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_first_needs_whole_rows():
+    with pytest.raises(ValueError, match="whole rows"):
+        dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 256)), jnp.zeros((2, 256, 8)), p=0.1,
+                                              interpret=True, blocks=Blocks(8, 128), softmax=True)

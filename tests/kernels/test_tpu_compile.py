@@ -308,12 +308,14 @@ DROPOUT_MATMUL_SHAPES = {"1024": (96, 1024, 1024, 64), "197": (24, 197, 197, 64)
 
 @pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
 def test_dropout_matmul(generation, impl, dtype):
+    """The weights given, and (softmax=True) the scores given, whole rows per block."""
     for name in DROPOUT_MATMUL_SHAPES if dtype != "float16" else ("197",):
         planes, L, S, Ev = DROPOUT_MATMUL_SHAPES[name]
         weights = jax.ShapeDtypeStruct((planes, L, S), DTYPES[dtype])
         value = jax.ShapeDtypeStruct((planes, S, Ev), DTYPES[dtype])
-        compiles(functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl=impl), KEY, weights, value,
-                 generation=generation)
+        for softmax in (False, True):
+            compiles(functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl=impl, softmax=softmax), KEY,
+                     weights, value, generation=generation)
 
 
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,

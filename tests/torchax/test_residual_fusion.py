@@ -3,6 +3,7 @@ the add of a routed dropout is dropout_add, and its product with a value dropout
 the dropout's key; the traced step holds one kernel."""
 
 import jax
+import jax.extend.core
 from jax._src.interpreters import partial_eval
 import numpy as np
 import pytest
@@ -68,6 +69,40 @@ def test_traced_attention_dropout_and_its_product_are_one_kernel_with_the_unfuse
                                                                           argnums=(0, 1))(weights, value))):
         np.testing.assert_array_equal(np.asarray(f), np.asarray(u))  # integers: every sum exact
     assert kernels(fused, weights, value, key, dead_code_removed=True) == 1
+
+
+@pytest.mark.usefixtures("in_env")
+def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused():
+    def attention_weights_product(fuse_matmul):
+        def product(scores, value, key):
+            with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
+                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                return jax_view(F.dropout(torch.softmax(torch_view(scores), -1), 0.5) @ torch_view(value))
+        return jax.jit(product)
+
+    rng = np.random.default_rng(2)
+    scores = jax_view(jax_tensor(rng.standard_normal((2, 16, 256)).astype(np.float32)))
+    value = jax_view(jax_tensor(rng.standard_normal((2, 256, 8)).astype(np.float32)))
+    key = jax_view(torch_pallas.seeds.key_data(seed=5))
+    fused, unfused = attention_weights_product(True), attention_weights_product(False)
+    for f, u in zip(jax.grad(lambda s, v: (fused(s, v, key) ** 2).sum(), argnums=(0, 1))(scores, value),
+                    jax.grad(lambda s, v: (unfused(s, v, key) ** 2).sum(), argnums=(0, 1))(scores, value)):
+        np.testing.assert_allclose(np.asarray(f), np.asarray(u), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fused(scores, value, key)), np.asarray(unfused(scores, value, key)),
+                               rtol=1e-5, atol=1e-5)
+    assert kernels(fused, scores, value, key, dead_code_removed=True) == 1
+    # torch's softmax was traced, then dropped, dead: the kernel computes it.
+    jaxpr, _ = partial_eval.dce_jaxpr(jax.make_jaxpr(fused)(scores, value, key).jaxpr, [True])
+    assert "reduce_max" not in {str(equation.primitive) for equation in _equations(jaxpr)}
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs its equations call, but not into kernels."""
+    for equation in jaxpr.eqns:
+        yield equation
+        if equation.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(equation.params):
+                yield from _equations(sub)
 
 
 def test_compile_backend_names_what_to_use_on_torchax():

@@ -16,6 +16,12 @@ same key; with ``impl="hardware"`` seeded per :func:`attention.attention_tile`, 
 :func:`dropout.dropout`'s hardware mask (that one is seeded per tile of a lane-dense view of
 the whole tensor). A kept weight is ``weights / (1 - p)`` rounded to the weights' dtype, as
 the dropout kernel computes it; the products accumulate in float32.
+
+With ``softmax=True`` the kernels take the scores instead and apply ``softmax(scores, -1)``
+first, whole rows per block: ``dropout(softmax(scores)) @ value``, eager attention's three
+calls in one. Then nothing of size ``L x S`` is materialised but the scores (which the
+backward kernel recomputes the weights from), where apart XLA keeps the softmax's
+exponentials for its own backward fusion beside the weights the kernel reads.
 """
 
 from __future__ import annotations
@@ -42,20 +48,52 @@ def check_shapes(weights_shape, value_shape) -> None:
                          f"got {tuple(weights_shape)} and {tuple(value_shape)}")
 
 
-def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward):
+# Elements of one block of scores when a block holds whole rows (``softmax=True``): with the
+# weights, their gradient and the mask's bits alive at once it stays well inside v4's 16 MiB VMEM.
+_ROW_BLOCK_ELEMENTS = 2**17
+
+
+def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
+    """Blocks of whole rows (padded to whole hardware tiles for that PRNG): as many rows as fit
+    :data:`_ROW_BLOCK_ELEMENTS`, a multiple of 8 (or all of ``L``)."""
+    tile = attention.attention_tile(L, S) if impl == prng.HARDWARE else (tiling.SUBLANES, 1)
+    cols = tiling.round_up(S, tile[1])
+    rows = max(tile[0], _ROW_BLOCK_ELEMENTS // cols // tile[0] * tile[0])
+    if rows >= L:
+        rows = L if impl != prng.HARDWARE else tiling.round_up(L, tile[0])
+    return attention.AttentionBlocks(rows, cols)
+
+
+def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax):
     p = arguments.check_probability(p)
     prng.check_can_run(impl, interpret)
     check_shapes(weights.shape, value.shape)
     *batch, L, S = weights.shape
+    if softmax:
+        if blocks is not None and blocks.kv < S:
+            raise ValueError(f"blocks must hold whole rows (kv >= {S}) with softmax=True, got {blocks}")
+        blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
                                       interpret=interpret, backward=backward, global_shape=None)
     L_padded = tiling.round_up(L, static.blocks.q)
     S_padded = tiling.round_up(S, static.blocks.kv)
+    w = attention.flatten(weights)
+    if softmax and S_padded != S:
+        # Padded scores are -inf: no weight after the softmax.
+        w = jnp.pad(w, ((0, 0), (0, 0), (0, S_padded - S)), constant_values=-jnp.inf)
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
-    w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
+    w = attention.padded(attention.padded(w, 1, L_padded), 2, S_padded)
     v = attention.padded(attention.flatten(value), 1, S_padded)
     return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
+
+
+def _softmax(scores, dtype):
+    """``softmax(scores, -1)`` of a block of whole rows, computed in float32 and rounded to
+    ``dtype`` as torch's softmax of a ``dtype`` tensor; an all ``-inf`` row gives NaN, as torch's."""
+    wide = scores.astype(jnp.float32)
+    exponentials = jnp.exp(wide - jnp.max(wide, axis=1, keepdims=True))
+    return (exponentials / jnp.sum(exponentials, axis=1, keepdims=True)).astype(dtype)
 
 
 def _dropped(static, key_ref, w, b, q_index, kv_index):
@@ -64,7 +102,7 @@ def _dropped(static, key_ref, w, b, q_index, kv_index):
     return kept_values(keep, w, np.float32(1.0 - static.dropout_p)).astype(w.dtype)
 
 
-def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static):
+def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax):
     b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(kv_index == 0)
@@ -72,7 +110,8 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static):
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     v = v_ref[...]
-    dropped = _dropped(static, key_ref, w_ref[...], b, q_index, kv_index)
+    w = w_ref[...]
+    dropped = _dropped(static, key_ref, _softmax(w, w.dtype) if softmax else w, b, q_index, kv_index)
     acc_ref[...] += jnp.dot(dropped.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
@@ -81,7 +120,7 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static):
 
 
 def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
-                           blocks: attention.AttentionBlocks | None = None):
+                           blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
     """``dropout(weights, p) @ value`` in one kernel (see the module docstring).
 
     Args:
@@ -92,7 +131,8 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
         impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
         blocks: rows of L (``q``) and of S (``kv``) per grid step (default: the attention
-            forward kernel's).
+            forward kernel's; with ``softmax`` whole rows).
+        softmax: ``weights`` are scores: ``dropout(softmax(weights, -1)) @ value``.
 
     Returns:
         ``(*batch, L, Ev)`` in the weights' dtype.
@@ -104,11 +144,12 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
     if weights.dtype == jnp.float16:
         wide_weights, wide_value = tiling.widen_float16(weights, value)
         return dropout_matmul_forward(key_data, wide_weights, wide_value, p=p, impl=impl, interpret=interpret,
-                                      blocks=blocks).astype(weights.dtype)
-    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False)
+                                      blocks=blocks, softmax=softmax).astype(weights.dtype)
+    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False,
+                                                       softmax)
     problem, blocks = static.problem, static.blocks
     out = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static),
+        functools.partial(_forward_kernel, static=static, softmax=softmax),
         grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
@@ -122,7 +163,7 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
     return out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
 
 
-def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, grad_v_acc, *, static):
+def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, grad_v_acc, *, static, softmax):
     b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(q_index == 0)
@@ -134,8 +175,14 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
     keep_probability = np.float32(1.0 - static.dropout_p)
     # The gradient of the dropped weights, then dropout's backward pass on it: the same mask.
     grad_dropped = lax.dot_general(grad_out, v_ref[...], attention.TRANSPOSE_RHS, preferred_element_type=jnp.float32)
-    grad_w_ref[...] = kept_values(keep, grad_dropped, keep_probability).astype(grad_w_ref.dtype)
+    grad_w = kept_values(keep, grad_dropped, keep_probability)
     w = w_ref[...]
+    if softmax:
+        # The scores' gradient from the recomputed weights: softmax's backward over whole rows.
+        w = _softmax(w, w.dtype)
+        wide = w.astype(jnp.float32)
+        grad_w = wide * (grad_w - jnp.sum(grad_w * wide, axis=1, keepdims=True))
+    grad_w_ref[...] = grad_w.astype(grad_w_ref.dtype)
     dropped = kept_values(keep, w, keep_probability).astype(w.dtype)
     grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
 
@@ -145,23 +192,25 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
 
 
 def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, impl: str = prng.THREEFRY,
-                            interpret: bool, blocks: attention.AttentionBlocks | None = None):
+                            interpret: bool, blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
     """Gradients of :func:`dropout_matmul_forward` with respect to the weights and the value,
     given the same key, options and the output's gradient ``(*batch, L, Ev)``, in one kernel.
-    ``blocks`` are its own (default: the attention backward kernels'): the mask is regenerated.
+    ``blocks`` are its own (default: the attention backward kernels'; with ``softmax`` whole
+    rows): the mask is regenerated. With ``softmax`` the first gradient is the scores'.
 
     Returns:
         ``(grad_weights (*batch, L, S), grad_value (*batch, S, Ev))`` in the operands' dtype.
     """
     if weights.dtype == jnp.float16:
         grads = dropout_matmul_backward(key_data, *tiling.widen_float16(weights, value, grad_out), p=p, impl=impl,
-                                        interpret=interpret, blocks=blocks)
+                                        interpret=interpret, blocks=blocks, softmax=softmax)
         return tuple(grad.astype(weights.dtype) for grad in grads)
-    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, True)
+    static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, True,
+                                                       softmax)
     problem, blocks = static.problem, static.blocks
     grad_out = attention.padded(attention.flatten(grad_out.astype(weights.dtype)), 1, L_padded)
     grad_w, grad_v = pl.pallas_call(
-        functools.partial(_backward_kernel, static=static),
+        functools.partial(_backward_kernel, static=static, softmax=softmax),
         # The value's gradient sums over the rows of L: they are the innermost axis, so each
         # block of it stays in VMEM until it is whole.
         grid=(problem.size, S_padded // blocks.kv, L_padded // blocks.q),

@@ -14,29 +14,32 @@ from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
 
 
 def _dropout_matmul(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, p: float,
-                    impl: str) -> torch.Tensor:
+                    impl: str, softmax: bool = False) -> torch.Tensor:
     """``dropout(weights, p) @ value`` (weights ``(*batch, L, S)``, value ``(*batch, S, Ev)``, one
-    float dtype; pre-checked)."""
+    float dtype; pre-checked); with ``softmax`` the weights are scores:
+    ``dropout(softmax(weights, -1), p) @ value``."""
     if weights.numel() == 0 or value.numel() == 0:
         return torch.zeros(*weights.shape[:-1], value.shape[-1], dtype=weights.dtype, device=weights.device)
-    return bridge.call(dropout_matmul_kernels.dropout_matmul_forward, key_data, weights, value, p=p, impl=impl)
+    return bridge.call(dropout_matmul_kernels.dropout_matmul_forward, key_data, weights, value, p=p, impl=impl,
+                       softmax=softmax)
 
 
 dropout_matmul = torch.library.custom_op("torch_pallas::dropout_matmul", _dropout_matmul, mutates_args=())
 
 
 @dropout_matmul.register_fake
-def _(weights, value, key_data, p, impl):
+def _(weights, value, key_data, p, impl, softmax=False):
     return weights.new_empty((*weights.shape[:-1], value.shape[-1]))
 
 
 def _dropout_matmul_backward(grad_out: torch.Tensor, weights: torch.Tensor, value: torch.Tensor,
-                             key_data: torch.Tensor, p: float, impl: str) -> list[torch.Tensor]:
-    """The gradients of :func:`dropout_matmul` for the weights and the value."""
+                             key_data: torch.Tensor, p: float, impl: str, softmax: bool = False) -> list[torch.Tensor]:
+    """The gradients of :func:`dropout_matmul` for the weights (with ``softmax``, the scores)
+    and the value."""
     if weights.numel() == 0 or value.numel() == 0:
         return [torch.zeros_like(weights), torch.zeros_like(value)]
     return list(bridge.call(dropout_matmul_kernels.dropout_matmul_backward, key_data, weights, value,
-                            grad_out.contiguous(), p=p, impl=impl))
+                            grad_out.contiguous(), p=p, impl=impl, softmax=softmax))
 
 
 dropout_matmul_backward_op = torch.library.custom_op("torch_pallas::dropout_matmul_backward",
@@ -45,23 +48,26 @@ dropout_matmul_backward = _autograd.direct(dropout_matmul_backward_op, _dropout_
 
 
 @dropout_matmul_backward_op.register_fake
-def _(grad_out, weights, value, key_data, p, impl):
+def _(grad_out, weights, value, key_data, p, impl, softmax=False):
     return [torch.empty_like(weights), torch.empty_like(value)]
 
 
 def _setup_context(ctx, inputs, output):
-    weights, value, key_data, ctx.p, ctx.impl = inputs
-    # The weights, not the dropped weights: the softmax before them keeps them anyway.
+    weights, value, key_data, ctx.p, ctx.impl, *softmax = inputs
+    ctx.softmax = bool(softmax and softmax[0])
+    # The weights (or the scores), not the dropped weights: the softmax before them keeps them anyway.
     ctx.save_for_backward(weights, value, key_data)
 
 
 def _backward(ctx, grad_out):
     weights, value, key_data = ctx.saved_tensors
-    grad_weights, grad_value = dropout_matmul_backward(grad_out, weights, value, key_data, ctx.p, ctx.impl)
-    return grad_weights, grad_value, None, None, None
+    grad_weights, grad_value = dropout_matmul_backward(grad_out, weights, value, key_data, ctx.p, ctx.impl,
+                                                       ctx.softmax)
+    return grad_weights, grad_value, None, None, None, None
 
 
 apply = _autograd.differentiable(dropout_matmul, _dropout_matmul, public_name="torch_pallas.dropout_matmul",
                                  setup_context=_setup_context, backward=_backward)
 apply.__doc__ = """:func:`dropout_matmul`, differentiable under autograd, ``torch.func``'s reverse
-mode and ``torch.compile``: ``apply(weights, value, key_data, p, impl)``."""
+mode and ``torch.compile``: ``apply(weights, value, key_data, p, impl, softmax)``, every argument
+given."""
