@@ -209,6 +209,10 @@ def test_a_softmax_it_cannot_take_is_left_before_the_fused_product():
         with torch_pallas.route_dropout(fuse_matmul=True):
             out = F.dropout(softmax(s), 0.5) @ v
         assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 1 and has_softmax(out)
+    long_rows, long_value = integers(1, 8, 16385), integers(1, 16385, 8)  # a block of 8 whole rows would not fit VMEM
+    with torch_pallas.route_dropout(fuse_matmul=True):
+        out = F.dropout(F.softmax(long_rows, dim=-1), 0.5) @ long_value
+    assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 1 and has_softmax(out)
 
 
 def test_products_it_cannot_fuse_are_left_to_torch():

@@ -30,6 +30,7 @@ import torch
 from torch.autograd import forward_ad
 
 from torch_pallas import bridge, functional, sharding
+from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
 from torch_pallas.ops import dropout_matmul as dropout_matmul_op
 
 __all__ = ["BACKEND", "backend", "fuse_residual_dropouts"]
@@ -145,7 +146,7 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
         return None
     drawn = found[1]
     scores = _softmax_input_of(drawn.x)
-    if scores is not None and drawn.key_data is not None:
+    if scores is not None and drawn.key_data is not None and dropout_matmul_kernels.rows_fit(scores.shape[-1]):
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
         return dropout_matmul_op.apply(scores, args[1], drawn.key_data, drawn.p, drawn.impl, True)
     return drawn.multiplied_by(args[1])

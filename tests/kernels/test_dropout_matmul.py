@@ -124,7 +124,11 @@ def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
-def test_softmax_first_needs_whole_rows():
+def test_softmax_first_needs_whole_rows_that_fit():
     with pytest.raises(ValueError, match="whole rows"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 256)), jnp.zeros((2, 256, 8)), p=0.1,
                                               interpret=True, blocks=Blocks(8, 128), softmax=True)
+    assert dropout_matmul.rows_fit(16384) and not dropout_matmul.rows_fit(16385)
+    with pytest.raises(ValueError, match="rows of at most 16384 scores"):
+        dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((1, 8, 16385)), jnp.zeros((1, 16385, 8)),
+                                              p=0.1, interpret=True, softmax=True)

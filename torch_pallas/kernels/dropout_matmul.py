@@ -53,6 +53,12 @@ def check_shapes(weights_shape, value_shape) -> None:
 _ROW_BLOCK_ELEMENTS = 2**17
 
 
+def rows_fit(S: int) -> bool:
+    """Whether ``softmax=True`` takes rows of ``S`` scores: 8 of them (and their hardware
+    tiles' padding) within :data:`_ROW_BLOCK_ELEMENTS`."""
+    return tiling.SUBLANES * tiling.round_up(S, 512) <= _ROW_BLOCK_ELEMENTS
+
+
 def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
     """Blocks of whole rows (padded to whole hardware tiles for that PRNG): as many rows as fit
     :data:`_ROW_BLOCK_ELEMENTS`, a multiple of 8 (or all of ``L``)."""
@@ -72,6 +78,9 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
     if softmax:
         if blocks is not None and blocks.kv < S:
             raise ValueError(f"blocks must hold whole rows (kv >= {S}) with softmax=True, got {blocks}")
+        if not rows_fit(S):
+            raise ValueError(f"softmax=True takes rows of at most {_ROW_BLOCK_ELEMENTS // tiling.SUBLANES} scores "
+                             f"(whole rows per block, in VMEM), got {S}")
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
