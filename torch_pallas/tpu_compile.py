@@ -162,19 +162,33 @@ def _topology(name: str):
     return topologies.get_topology_desc(topology_name=name, platform="tpu")
 
 
-@functools.cache
+# generation -> topology name: what _generations() found libtpu to know, once it knows any.
+_known_generations: dict[str, str] = {}
+
+
 def _generations() -> dict[str, str]:
-    """Asks libtpu which generations it knows (libtpu 0.0.21: v4 to v6e; 0.0.52: TPU7x too)."""
+    """Asks libtpu which generations it knows (libtpu 0.0.21: v4 to v6e; 0.0.52: TPU7x too).
+
+    Raises:
+        RuntimeError: libtpu refused for another reason than an unknown generation (another
+            process holds its lockfile: one process at a time uses libtpu), with its message.
+    """
     if not available():
         return {}
-    known = {}
+    if _known_generations:
+        return _known_generations
+    refusal = None
     for generation, topology in _TOPOLOGIES.items():
         try:
             _topology(topology)
-        except Exception:  # libtpu: INVALID_ARGUMENT "Invalid TPU external name"
+        except Exception as error:
+            if "Invalid TPU external name" not in str(error):  # what libtpu says of a generation it lacks
+                refusal = refusal or error
             continue
-        known[generation] = topology
-    return known
+        _known_generations[generation] = topology
+    if not _known_generations and refusal is not None:
+        raise RuntimeError(f"libtpu refused to describe any TPU topology: {refusal}") from refusal
+    return _known_generations
 
 
 def __getattr__(name):

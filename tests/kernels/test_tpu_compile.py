@@ -345,6 +345,19 @@ if OTHER_GENERATIONS:  # none when every generation compiles the whole matrix (n
         REPRESENTATIVE[kernel](generation)
 
 
+def test_libtpu_refusing_every_topology_raises_its_reason(monkeypatch):
+    """Another process holding libtpu's lockfile: its message, not an empty list of generations."""
+    from torch_pallas import tpu_compile
+
+    def refused(name):
+        raise RuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile.')
+
+    monkeypatch.setattr(tpu_compile, "_known_generations", {})
+    monkeypatch.setattr(tpu_compile, "_topology", refused)
+    with pytest.raises(RuntimeError, match="libtpu refused to describe any TPU topology: .*lockfile"):
+        tpu_compile.GENERATIONS
+
+
 # VMEM: v4's (16 MiB) is the smallest. Blocks forced just past it (measured: by 44 KiB to
 # 148 KiB) fail with libtpu's message, raised as an exception, not a crash. libtpu 0.0.52
 # words an output window too large as an allocation that "would exceed memory" in vmem.
