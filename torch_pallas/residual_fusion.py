@@ -60,19 +60,30 @@ def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
     # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
     # kernel has run already.
     if drawn.key_data is not None and not torch.compiler.is_compiling() and bridge.runs_lazily(x):
-        setattr(output, _DRAWN, (drawn, x._version, output._version, next(_draws)))
+        _remember(output, _DRAWN, x, (next(_draws), drawn))
     return output
+
+
+def _remember(output: torch.Tensor, name: str, source: torch.Tensor, payload) -> None:
+    """Keeps ``payload`` on ``output`` under ``name`` with the versions of ``output`` and of
+    ``source``, what it was computed from, for :func:`_recall`."""
+    setattr(output, name, (payload, source, source._version, output._version))
+
+
+def _recall(tensor, name: str):
+    """What :func:`_remember` kept on ``tensor`` under ``name``, if neither it nor its source
+    has been written in place since (through any view: the version counters say so)."""
+    remembered = getattr(tensor, name, None) if isinstance(tensor, torch.Tensor) else None
+    if remembered is None:
+        return None
+    payload, source, source_version, version = remembered
+    return payload if source._version == source_version and tensor._version == version else None
 
 
 def _drawn_dropout_of(tensor) -> tuple[int, functional.DrawnDropout] | None:
     """The dropout whose output ``tensor`` is, and its number in :data:`_draws`, if neither
-    it nor the dropout's input has been written in place since (through any view: the version
-    counters say so)."""
-    remembered = getattr(tensor, _DRAWN, None) if isinstance(tensor, torch.Tensor) else None
-    if remembered is None:
-        return None
-    drawn, x_version, version, number = remembered
-    return (number, drawn) if drawn.x._version == x_version and tensor._version == version else None
+    it nor the dropout's input has been written in place since."""
+    return _recall(tensor, _DRAWN)
 
 
 def fused_add(func, args, kwargs) -> torch.Tensor | None:
@@ -119,17 +130,8 @@ def remembered_softmax(func, args, kwargs) -> torch.Tensor:
     scores, dim, dtype = call.arguments["input"], call.arguments.get("dim"), call.arguments.get("dtype")
     if (isinstance(scores, torch.Tensor) and isinstance(output, torch.Tensor) and scores.dim() >= 1
             and dim in (-1, scores.dim() - 1) and dtype in (None, scores.dtype) and bridge.runs_lazily(scores)):
-        setattr(output, _SOFTMAX_OF, (scores, scores._version, output._version))
+        _remember(output, _SOFTMAX_OF, scores, scores)
     return output
-
-
-def _softmax_input_of(tensor) -> torch.Tensor | None:
-    """The scores whose softmax ``tensor`` is, if neither has been written in place since."""
-    remembered = getattr(tensor, _SOFTMAX_OF, None)
-    if remembered is None:
-        return None
-    scores, scores_version, version = remembered
-    return scores if scores._version == scores_version and tensor._version == version else None
 
 
 def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
@@ -145,7 +147,7 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
     if found is None or not functional.fuses_matmul(found[1], args[1]):
         return None
     drawn = found[1]
-    scores = _softmax_input_of(drawn.x)
+    scores = _recall(drawn.x, _SOFTMAX_OF)  # the scores whose softmax the weights are
     if scores is not None and drawn.key_data is not None and dropout_matmul_kernels.rows_fit(scores.shape[-1]):
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
         return dropout_matmul_op.apply(scores, args[1], drawn.key_data, drawn.p, drawn.impl, True)
