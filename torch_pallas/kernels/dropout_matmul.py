@@ -105,9 +105,9 @@ def _softmax(scores, dtype):
     return (exponentials / jnp.sum(exponentials, axis=1, keepdims=True)).astype(dtype)
 
 
-def _dropped(static, key_ref, w, b, q_index, kv_index):
-    """The block of dropped weights, in their dtype, as :func:`dropout.dropout` writes them."""
-    keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
+def _dropped(static, keep, w):
+    """The block of weights ``w`` dropped where ``keep`` is False, in their dtype, as
+    :func:`dropout.dropout` writes them."""
     return kept_values(keep, w, np.float32(1.0 - static.dropout_p)).astype(w.dtype)
 
 
@@ -120,7 +120,8 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax)
 
     v = v_ref[...]
     w = w_ref[...]
-    dropped = _dropped(static, key_ref, _softmax(w, w.dtype) if softmax else w, b, q_index, kv_index)
+    keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
+    dropped = _dropped(static, keep, _softmax(w, w.dtype) if softmax else w)
     acc_ref[...] += jnp.dot(dropped.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
@@ -192,7 +193,7 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
         wide = w.astype(jnp.float32)
         grad_w = wide * (grad_w - jnp.sum(grad_w * wide, axis=1, keepdims=True))
     grad_w_ref[...] = grad_w.astype(grad_w_ref.dtype)
-    dropped = kept_values(keep, w, keep_probability).astype(w.dtype)
+    dropped = _dropped(static, keep, w)
     grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
 
     @pl.when(q_index == pl.num_programs(2) - 1)
