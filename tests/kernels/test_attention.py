@@ -14,7 +14,7 @@ from jax._src import config as jax_config
 
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import jax_key, jax_random_part, key_data
-from torch_pallas.kernels import attention, prng
+from torch_pallas.kernels import attention, dropout_matmul, prng
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
@@ -155,6 +155,20 @@ def test_hardware_forward_and_backward_with_different_blocks_match_the_reference
     assert attention.attention_tile(40, 300) == (8, 128)
     check((1, 2, 40, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",
           blocks=Blocks(40, 384), backward_blocks=Blocks(16, 128))
+
+
+def test_hardware_default_blocks_take_a_short_length_whole():
+    """ViT-B/16's 197 patches: every kernel's default block is all of L and S (its last seed
+    tiles drawn whole and cut, as the reference above), so no operand is copied padded to
+    (200, 256) tiles; a longer length keeps whole tiles."""
+    short = attention.resolve_problem((2, 197, 64), (2, 197, 64), (2, 197, 64))
+    long = attention.resolve_problem((2, 1000, 64), (2, 1000, 64), (2, 1000, 64))
+    for backward in (False, True):
+        assert attention.resolve_blocks(None, short, impl="hardware", interpret=False,
+                                        backward=backward) == Blocks(197, 197)
+        assert attention.resolve_blocks(None, long, impl="hardware", interpret=False,
+                                        backward=backward) == Blocks(256 if backward else 512, 512)
+    assert dropout_matmul._row_blocks(197, 197, "hardware") == Blocks(197, 197)
 
 
 def test_hardware_blocks_must_be_whole_tiles(emulated_hardware_prng):

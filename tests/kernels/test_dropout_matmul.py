@@ -103,7 +103,7 @@ def _softmax_reference(scores, value, grad_out, keep, p):
 
 @pytest.mark.parametrize("impl, shape_w, Ev, blocks", [
     ("threefry", (1, 40, 300), 16, Blocks(16, 300)),       # several row blocks, L not a multiple of them
-    ("hardware", (1, 40, 300), 16, None),                  # rows and columns padded to whole tiles (-inf scores)
+    ("hardware", (1, 40, 300), 16, None),                  # a block of all of L and S: the last tiles' bits cut
 ])
 def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request):
     if impl == "hardware":

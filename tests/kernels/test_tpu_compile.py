@@ -247,8 +247,11 @@ def attention_forward_and_backward(key_data, query, key, value, *bias, **options
     return out, pullback(out)
 
 
-# (L, S, head dim) x heads: ragged lengths, and 2048 tokens with the default blocks at their largest.
-ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "2048-head-128": ((1, 2, 2048, 128),) * 2}
+# (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (every block all of L: the
+# backward's row statistics are (1, 197) or, hardware tiles, (1, 200) blocks), and 2048 tokens
+# with the default blocks at their largest.
+ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "197": ((2, 4, 197, 64),) * 2,
+                    "2048-head-128": ((1, 2, 2048, 128),) * 2}
 
 
 # float16 reaches the kernels as float32 (Mosaic has no float16): threefry's float16 compiles its
@@ -259,8 +262,9 @@ ATTENTION_CONFIGURATIONS = [("threefry", "bfloat16"), ("threefry", "float16"), (
 
 @pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
 def test_attention(generation, impl, dtype):
-    """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype."""
-    for name in ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged",):
+    """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype,
+    197 in float32."""
+    for name in ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197"):
         query_shape, key_shape = ATTENTION_SHAPES[name]
         query, key = (jax.ShapeDtypeStruct(shape, DTYPES[dtype]) for shape in (query_shape, key_shape))
         compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl=impl, causal=True),

@@ -55,9 +55,11 @@ def test_bad_arguments_and_unestablished_generations_raise_clearly():
         step.table(top=0)
 
 
+@pytest.mark.skipif(tpu_compile._libtpu["dump_directory"] is not None,
+                    reason="this process enabled estimates (TORCH_PALLAS_TPU_ESTIMATES=1) before libtpu started")
 def test_estimates_enabled_after_libtpu_started_raise_with_the_flags():
-    script = ("from torch_pallas import tpu_compile\n"
-              "tpu_compile.tpu_device('v5e')\n"
-              "tpu_compile.enable_estimates()\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "enable_estimates must be called before" in result.stderr
+    # In this process, as in the suite's: estimates are enabled only in tests/estimates' own process.
+    tpu_compile.tpu_device("v5e")
+    with pytest.raises(RuntimeError, match="enable_estimates must be called before"):
+        tpu_compile.enable_estimates()
+    assert tpu_compile._libtpu["dump_directory"] is None  # the refusal changed nothing

@@ -14,8 +14,8 @@ kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 - ``impl="hardware"`` (TPU only): the hardware PRNG seeded per :func:`attention_tile` tile
   of each batch element's ``L x S`` plane as ``pltpu.sample_block`` seeds it, the tiles
   numbered row-major over the planes (``b * tiles_per_plane + tile_row * tiles_per_row +
-  tile_col``, the plane padded to whole tiles); blocks are whole tiles, so any forward and
-  backward blocks agree.
+  tile_col``, the plane padded to whole tiles); blocks are whole tiles (or the whole length,
+  its last tiles drawn whole and cut), so any forward and backward blocks agree.
 
 Shapes and semantics are torch's ``scaled_dot_product_attention``: ``query (*batch, L, E)``,
 ``key (*batch', S, E)``, ``value (*batch', S, Ev)`` with batch dims broadcast (and with
@@ -42,8 +42,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import arguments, compat, prng, tiling
 
-# The row statistics (log-sum-exp; the backward's rowsum(dO * O)) cross kernel boundaries as
-# (rows, ROW_STAT_LANES) float32 blocks.
+# The forward kernel keeps its row statistics (running maximum and sum) and writes the
+# log-sum-exp as (rows, ROW_STAT_LANES) float32 blocks, every lane the row's value (see _lanes).
+# The backward kernels read the log-sum-exp and rowsum(dO * O) one value per row instead
+# (_row_stat_spec): in HBM a (rows, ROW_STAT_LANES) operand is 128 times the bytes, and XLA kept
+# those broadcasts alive with the backward pass's other operands at a step's peak.
 ROW_STAT_LANES = tiling.LANES
 TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
 _HARDWARE_TILE_MAX_COLS = 512
@@ -199,7 +202,9 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
                    backward: bool = False) -> AttentionBlocks:
     """``blocks`` (or the default) clamped to the lengths and checked as Mosaic wants them:
     ``q`` a multiple of 8 or all of ``L``, ``kv`` a multiple of 128 or all of ``S``; for
-    ``impl="hardware"`` whole :func:`attention_tile` tiles (the default is rounded up to them).
+    ``impl="hardware"`` whole :func:`attention_tile` tiles or all of the length (the default is
+    rounded up to them). A block of all of a length needs no padding of the operands: XLA
+    would otherwise copy them padded, forward and backward, at HBM's cost.
 
     Raises:
         TypeError: ``blocks`` is not an :class:`AttentionBlocks`.
@@ -209,17 +214,17 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
     if blocks is None:
         blocks = _default_blocks(interpret, backward)
         if tile is not None:
-            blocks = AttentionBlocks(tiling.round_up(min(blocks.q, tiling.round_up(problem.L, tile[0])), tile[0]),
-                                     tiling.round_up(min(blocks.kv, tiling.round_up(problem.S, tile[1])), tile[1]))
+            blocks = AttentionBlocks(tiling.round_up(blocks.q, tile[0]), tiling.round_up(blocks.kv, tile[1]))
     elif not isinstance(blocks, AttentionBlocks):
         raise TypeError(f"blocks must be an AttentionBlocks or None, got {type(blocks).__name__}")
-    if tile is not None:
-        if blocks.q % tile[0] or blocks.kv % tile[1]:
-            raise ValueError(f"blocks ({blocks.q}, {blocks.kv}) must be whole {tile} tiles for impl='hardware', "
-                             f"the tile its PRNG is seeded per over this {problem.L}x{problem.S} plane")
-        return blocks
     q = min(blocks.q, problem.L)
     kv = min(blocks.kv, problem.S)
+    if tile is not None:
+        if (q != problem.L and q % tile[0]) or (kv != problem.S and kv % tile[1]):
+            raise ValueError(f"blocks ({blocks.q}, {blocks.kv}) must be whole {tile} tiles (or the whole length) for "
+                             f"impl='hardware', the tile its PRNG is seeded per over this {problem.L}x{problem.S} "
+                             "plane")
+        return AttentionBlocks(q, kv)
     if (q != problem.L and q % tiling.SUBLANES) or (kv != problem.S and kv % tiling.LANES):
         raise ValueError(f"blocks: ({q}, {kv}) over a {problem.L}x{problem.S} score matrix is rejected by Mosaic "
                          f"(TPU), on every platform: q must be a multiple of {tiling.SUBLANES} or L, kv a multiple "
@@ -299,11 +304,13 @@ def kept_weights(static: _Static, key_ref, b, q_index, kv_index):
         tiles_per_plane = pl.cdiv(problem.L, tile[0]) * tiles_per_row
         first = b * tiles_per_plane + row0 // tile[0] * tiles_per_row + col0 // tile[1]
         rows = []
-        for tile_row in range(blocks.q // tile[0]):
+        for tile_row in range(pl.cdiv(blocks.q, tile[0])):
             row = [prng.hardware_tile_bits(key_ref, first + tile_row * tiles_per_row + tile_col, tile)
-                   for tile_col in range(blocks.kv // tile[1])]
+                   for tile_col in range(pl.cdiv(blocks.kv, tile[1]))]
             rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
         bits = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+        if bits.shape != (blocks.q, blocks.kv):  # a block of the whole length: its last tiles cut
+            bits = bits[:blocks.q, :blocks.kv]
     return prng.bernoulli_from_bits(bits, np.float32(1.0 - static.dropout_p))
 
 
@@ -543,6 +550,19 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     return lax.optimization_barrier((out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)))
 
 
+def _column(row_stat_ref):
+    """A (1, q) block of a row statistic (:func:`_row_stat_spec`) as a (q, 1) column, which the
+    score block's arithmetic broadcasts over its lanes (libtpu 0.0.21's Mosaic lowers that
+    implicit broadcast, not an explicit ``broadcast_to`` of the column)."""
+    return jnp.expand_dims(row_stat_ref[0], -1)
+
+
+def _row_stat_spec(static: _Static, index_map):
+    """The BlockSpec of a row statistic laid out ``(batch, q blocks, 1, q)``: one value per row,
+    each block a whole (1, q) array, which Mosaic takes for every ``q``."""
+    return pl.BlockSpec((None, None, 1, static.blocks.q), index_map)
+
+
 def _probabilities(s, lse):
     # lse is inf for rows that attend to nothing (and padded rows): their weights are 0.
     return jnp.exp(s - lse)
@@ -562,7 +582,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
     def _():
         q, grad_out = q_ref[...], grad_out_ref[...]
         s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
-        p = _probabilities(s, _lanes(lse_ref[...], static.blocks.kv))
+        p = _probabilities(s, _column(lse_ref))
         v = v_ref[...]
         # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
         # factor is in it, so a dropped weight is a select.
@@ -573,7 +593,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
             dropped = jnp.where(kept, p, np.float32(0.0))
             grad_p = jnp.where(kept, grad_p, np.float32(0.0))
         grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
-        grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
+        grad_s = p * (grad_p - _column(delta_ref))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
     @pl.when(q_index == pl.num_programs(2) - 1)
@@ -598,11 +618,11 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
     def _():
         k = k_ref[...]
         s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
-        p = _probabilities(s, _lanes(lse_ref[...], static.blocks.kv))
+        p = _probabilities(s, _column(lse_ref))
         grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], TRANSPOSE_RHS, preferred_element_type=jnp.float32)
         if static.dropout_p:
             grad_p = jnp.where(kept_weights(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
-        grad_s = p * (grad_p - _lanes(delta_ref[...], static.blocks.kv))
+        grad_s = p * (grad_p - _column(delta_ref))
         if bias_grad:
             grad_bias_ref[...] = grad_s
         grad_q_acc[...] += jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -664,25 +684,25 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
 
     q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
     grad_out = per_row(grad_out).astype(jnp.float32)
-    delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1, keepdims=True)
+    delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1)
     # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).
     grad_out = (grad_out * kept_scale(dropout_p) if dropout_p else grad_out).astype(query.dtype)
     lse_rows = jnp.pad(lse.reshape(rows), ((0, 0), (0, L_padded - problem.L)), constant_values=jnp.inf)
-    lse_rows = jnp.broadcast_to(lse_rows[..., None], (*lse_rows.shape, ROW_STAT_LANES))
-    delta = jnp.broadcast_to(delta, (problem.size, L_padded, ROW_STAT_LANES))
+    num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
+    lse_rows, delta = (stat.reshape(problem.size, num_q, 1, blocks.q) for stat in (lse_rows, delta))
     has_bias = prepared_bias is not None
     operands = [noise_words(key_data, impl, shard_offset), q, k, v, *([prepared_bias] if has_bias else []),
                 grad_out, lse_rows, delta]
-    num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
 
     specs, ordered, q_block = _specs(static, has_bias, kv_major=True)
     row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes),  # noqa: E731
                                           ordered(lambda b, i, j: (b, q_block(i, j), 0)))
+    row_stat = _row_stat_spec(static, ordered(lambda b, i, j: (b, q_block(i, j), 0, 0)))
     per_key = lambda lanes: pl.BlockSpec((None, blocks.kv, lanes), lambda b, j, i: (b, j, 0))  # noqa: E731
     grad_k, grad_v = pl.pallas_call(
         functools.partial(_key_value_kernel, static=static, has_bias=has_bias),
         grid=(problem.size, num_kv, num_q),
-        in_specs=[*specs, row_spec(problem.Ev), row_spec(ROW_STAT_LANES), row_spec(ROW_STAT_LANES)],
+        in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=[per_key(problem.E), per_key(problem.Ev)],
         out_shape=[jax.ShapeDtypeStruct((problem.size, S_padded, problem.E), jnp.float32),
                    jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)],
@@ -694,6 +714,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
 
     specs, ordered, _ = _specs(static, has_bias, kv_major=False)
     row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
+    row_stat = _row_stat_spec(static, lambda b, i, j: (b, i, 0, 0))
     out_specs = [row_spec(problem.E)]
     out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype)]
     if bias_grad:
@@ -702,7 +723,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     grads = pl.pallas_call(
         functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad),
         grid=(problem.size, num_q, num_kv),
-        in_specs=[*specs, row_spec(problem.Ev), row_spec(ROW_STAT_LANES), row_spec(ROW_STAT_LANES)],
+        in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],

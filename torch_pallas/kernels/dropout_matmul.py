@@ -60,14 +60,12 @@ def rows_fit(S: int) -> bool:
 
 
 def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
-    """Blocks of whole rows (padded to whole hardware tiles for that PRNG): as many rows as fit
-    :data:`_ROW_BLOCK_ELEMENTS`, a multiple of 8 (or all of ``L``)."""
+    """Blocks of whole rows: as many rows as fit :data:`_ROW_BLOCK_ELEMENTS` (with the hardware
+    PRNG's bits drawn for whole tiles), a multiple of 8 and of the hardware tile's rows, or all
+    of ``L``."""
     tile = attention.attention_tile(L, S) if impl == prng.HARDWARE else (tiling.SUBLANES, 1)
-    cols = tiling.round_up(S, tile[1])
-    rows = max(tile[0], _ROW_BLOCK_ELEMENTS // cols // tile[0] * tile[0])
-    if rows >= L:
-        rows = L if impl != prng.HARDWARE else tiling.round_up(L, tile[0])
-    return attention.AttentionBlocks(rows, cols)
+    rows = max(tile[0], _ROW_BLOCK_ELEMENTS // tiling.round_up(S, tile[1]) // tile[0] * tile[0])
+    return attention.AttentionBlocks(min(rows, L), S)
 
 
 def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax):
@@ -87,12 +85,9 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
                                       interpret=interpret, backward=backward, global_shape=None)
     L_padded = tiling.round_up(L, static.blocks.q)
     S_padded = tiling.round_up(S, static.blocks.kv)
-    w = attention.flatten(weights)
-    if softmax and S_padded != S:
-        # Padded scores are -inf: no weight after the softmax.
-        w = jnp.pad(w, ((0, 0), (0, 0), (0, S_padded - S)), constant_values=-jnp.inf)
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
-    w = attention.padded(attention.padded(w, 1, L_padded), 2, S_padded)
+    # (Scores are never padded along S: with softmax=True a block holds whole rows.)
+    w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
     v = attention.padded(attention.flatten(value), 1, S_padded)
     return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
 
