@@ -116,11 +116,15 @@ def test_boolean_mask_broadcast_with_a_fully_masked_row_gives_zeros():
     assert np.isfinite(np.asarray(grad_key)).all() and np.isfinite(np.asarray(grad_value)).all()
 
 
-@pytest.mark.parametrize("bias_shape", [(1, 3, 24, 40), (2, 1, 1, 40)])
-def test_float_mask_gets_its_gradient_summed_to_its_shape(bias_shape):
+# Every key in one backward block (the key-value kernel gives the query's and the mask's gradients
+# too), and keys over two blocks (the query kernel gives them).
+@pytest.mark.parametrize("bias_shape, backward_blocks", [((1, 3, 24, 40), Blocks(8, 40)),
+                                                         ((2, 1, 1, 256), Blocks(8, 128))],
+                         ids=["one-key-block", "two-key-blocks"])
+def test_float_mask_gets_its_gradient_summed_to_its_shape(bias_shape, backward_blocks):
     bias = jnp.asarray(np.random.default_rng(2).standard_normal(bias_shape), jnp.float32)
-    check((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16), bias=bias, dropout_p=0.1,
-          backward_blocks=Blocks(8, 40))
+    S = bias_shape[-1]
+    check((2, 3, 24, 16), (2, 3, S, 16), (2, 3, S, 16), bias=bias, dropout_p=0.1, backward_blocks=backward_blocks)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -4,7 +4,10 @@
 the ``L x S`` probabilities never reach HBM: the forward kernel walks blocks of keys with a
 running row maximum and sum and saves the output and the row log-sum-exp; the backward
 kernels (one for the key and value gradients, one for the query's, FlashAttention-2's split)
-recompute the probabilities from the log-sum-exp. The dropout mask is regenerated in every
+recompute the probabilities from the log-sum-exp; where every key fits one block (short
+sequences: ViT's 197 patches, BERT's 512 tokens) the first kernel also gives the query's
+gradient, which is then complete per block of rows, so the probabilities and the mask are
+computed once in the backward pass instead of twice. The dropout mask is regenerated in every
 kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
@@ -380,7 +383,9 @@ def _lanes(row_stat, cols):
         return compat.repeat(row_stat, cols // ROW_STAT_LANES, axis=1)
     if cols < ROW_STAT_LANES:
         return row_stat[:, :cols]
-    return jnp.broadcast_to(row_stat[:, :1], (row_stat.shape[0], cols))
+    # A block of a whole length that is not whole vregs (ViT's 197 keys): whole vregs, then their
+    # first lanes.
+    return compat.repeat(row_stat, pl.cdiv(cols, ROW_STAT_LANES), axis=1)[:, :cols]
 
 
 def padded(array, axis, length):
@@ -568,9 +573,16 @@ def _probabilities(s, lse):
     return jnp.exp(s - lse)
 
 
-def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool):
+def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, with_query: bool = False,
+                      bias_grad: bool = False):
+    """The key's and value's gradients, accumulated over the blocks of query rows (the grid's
+    innermost axis). ``with_query``, when one block holds every key: the query's gradient (and
+    with ``bias_grad`` the bias's) of each block of rows too, whole in that one step."""
     bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-    grad_out_ref, lse_ref, delta_ref, grad_k_ref, grad_v_ref, grad_k_acc, grad_v_acc = refs
+    grad_out_ref, lse_ref, delta_ref, grad_k_ref, grad_v_ref, *refs = refs
+    grad_q_ref, refs = (refs[0], refs[1:]) if with_query else (None, refs)
+    grad_bias_ref, refs = (refs[0], refs[1:]) if bias_grad else (None, refs)
+    grad_k_acc, grad_v_acc = refs
     b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(q_index == 0)
@@ -595,6 +607,12 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
         grad_s = p * (grad_p - _column(delta_ref))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        if with_query:
+            k = k_ref[...]
+            grad_q_ref[...] = (jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
+                               * np.float32(static.scale)).astype(grad_q_ref.dtype)
+            if bias_grad:
+                grad_bias_ref[...] = grad_s
 
     @pl.when(q_index == pl.num_programs(2) - 1)
     def _():
@@ -635,6 +653,29 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
     @pl.when(kv_index == pl.num_programs(2) - 1)
     def _():
         grad_q_ref[...] = (grad_q_acc[...] * np.float32(static.scale)).astype(grad_q_ref.dtype)
+
+
+def _query_gradients(static: _Static, operands, has_bias, bias_grad, dtype, L_padded, S_padded, interpret):
+    """The query kernel's outputs: the query's gradient, and with ``bias_grad`` the bias's."""
+    problem, blocks = static.problem, static.blocks
+    specs, _, _ = _specs(static, has_bias, kv_major=False)
+    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
+    row_stat = _row_stat_spec(static, lambda b, i, j: (b, i, 0, 0))
+    out_specs = [row_spec(problem.E)]
+    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), dtype)]
+    if bias_grad:
+        out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
+        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
+    return pl.pallas_call(
+        functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad),
+        grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
+        in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],
+        compiler_params=compiler_params(),
+        interpret=interpret,
+    )(*operands)
 
 
 def _sum_to(grad, shape):
@@ -699,37 +740,32 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
                                           ordered(lambda b, i, j: (b, q_block(i, j), 0)))
     row_stat = _row_stat_spec(static, ordered(lambda b, i, j: (b, q_block(i, j), 0, 0)))
     per_key = lambda lanes: pl.BlockSpec((None, blocks.kv, lanes), lambda b, j, i: (b, j, 0))  # noqa: E731
-    grad_k, grad_v = pl.pallas_call(
-        functools.partial(_key_value_kernel, static=static, has_bias=has_bias),
+    out_specs = [per_key(problem.E), per_key(problem.Ev)]
+    out_shape = [jax.ShapeDtypeStruct((problem.size, S_padded, problem.E), jnp.float32),
+                 jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)]
+    # One block of keys: a block of rows sees every key in one step, so its query gradient is whole
+    # there and the query kernel (which would recompute the probabilities and the mask) is not needed.
+    with_query = num_kv == 1
+    if with_query:
+        out_specs.append(row_spec(problem.E))
+        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype))
+        if bias_grad:
+            out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), ordered(lambda b, i, j: (b, q_block(i, j), j))))
+            out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
+    grad_k, grad_v, *grads = pl.pallas_call(
+        functools.partial(_key_value_kernel, static=static, has_bias=has_bias, with_query=with_query,
+                          bias_grad=with_query and bias_grad),
         grid=(problem.size, num_kv, num_q),
         in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
-        out_specs=[per_key(problem.E), per_key(problem.Ev)],
-        out_shape=[jax.ShapeDtypeStruct((problem.size, S_padded, problem.E), jnp.float32),
-                   jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((blocks.kv, problem.E), jnp.float32),
                         pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
         compiler_params=compiler_params(),
         interpret=interpret,
     )(*operands)
-
-    specs, ordered, _ = _specs(static, has_bias, kv_major=False)
-    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
-    row_stat = _row_stat_spec(static, lambda b, i, j: (b, i, 0, 0))
-    out_specs = [row_spec(problem.E)]
-    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype)]
-    if bias_grad:
-        out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
-        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
-    grads = pl.pallas_call(
-        functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad),
-        grid=(problem.size, num_q, num_kv),
-        in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],
-        compiler_params=compiler_params(),
-        interpret=interpret,
-    )(*operands)
+    if not with_query:
+        grads = _query_gradients(static, operands, has_bias, bias_grad, query.dtype, L_padded, S_padded, interpret)
 
     grad_q = _sum_to(grads[0][:, :problem.L].reshape(*problem.batch, problem.L, problem.E), query.shape)
     grad_k = _sum_to(grad_k[:, :problem.S].reshape(*problem.batch, problem.S, problem.E), key.shape)
