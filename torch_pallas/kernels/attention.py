@@ -592,8 +592,8 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
 
     @pl.when(_runs(static, q_index, kv_index))
     def _():
-        q, grad_out = q_ref[...], grad_out_ref[...]
-        s = _score_block(static, q, k_ref[...], bias_ref, q_index, kv_index)
+        q, k, grad_out = q_ref[...], k_ref[...], grad_out_ref[...]
+        s = _score_block(static, q, k, bias_ref, q_index, kv_index)
         p = _probabilities(s, _column(lse_ref))
         v = v_ref[...]
         # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
@@ -608,7 +608,6 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         grad_s = p * (grad_p - _column(delta_ref))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
         if with_query:
-            k = k_ref[...]
             grad_q_ref[...] = (jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
                                * np.float32(static.scale)).astype(grad_q_ref.dtype)
             if bias_grad:
