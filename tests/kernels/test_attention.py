@@ -14,7 +14,7 @@ from jax._src import config as jax_config
 
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import jax_key, jax_random_part, key_data
-from torch_pallas.kernels import attention, dropout_matmul, prng
+from torch_pallas.kernels import attention, dropout_matmul
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
