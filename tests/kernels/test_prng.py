@@ -69,6 +69,14 @@ def test_tile_index_is_sample_blocks(total, block, tile):
             assert prng.tile_index(row0, col0, total[1], tile) == theirs
 
 
+@pytest.mark.parametrize("shape,view", [
+    ((32, 197, 768), (6304, 768)), ((8, 512, 2048), (4096, 2048)), ((2**22,), (4096, 1024)),
+    ((4, 768), (3, 1024)), ((2, 3, 256), (3, 512)), ((13, 300), (13, 300)), ((1000,), (1, 1000)), ((7,), (1, 7))])
+def test_view_is_the_tensors_own_rows_when_they_are_whole_lanes(shape, view):
+    """README, The noise contract: the 2-D view the hardware impl's seed tiles cover."""
+    assert tiling.view_2d(shape) == view
+
+
 @pytest.mark.parametrize("view,tile", [
     ((4096, 1024), (64, 1024)), ((16, 1024), (16, 1024)), ((1, 1000), (8, 1024)), ((13, 300), (16, 128)),
     ((20, 300), (8, 128)),

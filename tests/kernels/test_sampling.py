@@ -235,7 +235,7 @@ def as_int32(bits):
 # (global shape, shards per dim, shared over the first dim, blocks of the whole and the shard).
 HARDWARE_SHARDED = [
     ((256, 1024), (4, 1), False, None),                    # view (256, 1024), (64, 1024) tiles: one band a shard
-    ((6, 32, 2048), (2, 1, 1), False, Blocks(128, 1024)),  # view (384, 1024): 3 bands per shard
+    ((6, 64, 2048), (2, 1, 1), False, Blocks(128, 1024)),  # view (384, 2048), (64, 1024) tiles: 3 bands per shard
     ((3, 16, 1024), (3, 1, 1), False, Blocks(16, 1024)),   # view (48, 1024), (16, 1024) tiles: a band a shard
     ((5, 8, 256), (1, 2, 1), True, None),                  # one mask row of 2048, (8, 1024) tiles: 1 per shard
     ((4, 2, 256), (2, 1, 1), True, Blocks(8, 512)),        # split over the shared dim: the whole mask row, one tile
@@ -300,10 +300,9 @@ def test_first_tile_of_a_shard_is_its_tile_index_past_2_32_elements(global_cols,
 
 
 def test_hardware_shard_past_2_32_elements_draws_its_tiles(emulated_hardware_prng):
-    # (2**19 + 16, 8192) is viewed as (2**22 + 128, 1024) in (64, 1024) seed tiles: the shards at
-    # rows 2**19 and 2**19 + 8 (elements 2**32 and 2**32 + 2**16) are view rows 2**22 on, one
-    # tile each, numbered 2**16 and 2**16 + 1.
-    global_shape, shard = (2**19 + 16, 8192), (8, 8192)
+    # (2**22 + 128, 1024) is seeded in (64, 1024) tiles: the shards at rows 2**22 and
+    # 2**22 + 64 (elements 2**32 and 2**32 + 2**16) are one tile each, numbered 2**16 and 2**16 + 1.
+    global_shape, shard = (2**22 + 128, 1024), (64, 1024)
     hardware_key = prng.hardware_key_data(jnp.asarray(key_data(5)))
     for tile in range(2):
         got = elementwise.noise_map(jnp.asarray(key_data(5)), shard, as_int32, jnp.int32, impl="hardware",

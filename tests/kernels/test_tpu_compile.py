@@ -34,7 +34,7 @@ KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 # Tiny, ragged, 1-D (a single-row view), and large: (4096, 4096) reaches the TPU's default
 # block limit (1 MiB per operand block).
 ELEMENTWISE_SHAPES = {"tiny": (7,), "ragged": (20, 300), "1d": (1000001,), "large": (4096, 4096)}
-# Non-default blocks of the large shape's (16384, 1024) view: for the hardware PRNG whole
+# Non-default blocks of the large shape's (4096, 4096) view: for the hardware PRNG whole
 # (64, 1024) seed tiles.
 FORCED_BLOCKS = {"threefry": {"small": ElementwiseBlocks(8, 128), "column-major": ElementwiseBlocks(64, 512, True)},
                  "hardware": {"small": ElementwiseBlocks(64, 1024), "column-major": ElementwiseBlocks(128, 1024, True)}}
@@ -163,7 +163,7 @@ def test_dropout_of_more_than_2_32_elements_whole():
 
 
 # The hardware PRNG's shards are whole bands of seed tiles of the whole tensor's view (here
-# 64 rows of (2048, 1024), and 1024-wide tiles of a shared mask): split rows (over one mesh
+# 64 rows of (1024, 2048), and 1024-wide tiles of a shared mask): split rows (over one mesh
 # axis, over both), and the shared mask of a (T, B, F) tensor split over B.
 HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048), P(("data", "model"), None), False),
                           ((8, 64, 2048), P(None, ("data", "model"), None), True)]

@@ -250,7 +250,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
         if len(dims) == 3:
             outer, outer_stride = dims[0]
         if len(dims) == 1:
-            # Contiguous: any 2-D view keeps the flat order, so take the lane-dense one.
+            # Contiguous: any 2-D view keeps the flat order, so take the one XLA's ops beside it prefer.
             rows, cols = tiling.view_2d(shape)
             row_stride = cols
         else:
@@ -302,4 +302,17 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     )(*arguments)
     if (view_rows, view_cols) != (rows, cols):
         out = out[:rows, :cols]
-    return out.reshape(shape)
+    return _in_own_layout(out.reshape(shape), two_d_rows=outer_stride is None and len(shape) >= 3 and cols == shape[-1])
+
+
+def _in_own_layout(out: jax.Array, *, two_d_rows: bool) -> jax.Array:
+    """``out``, the kernel's result reshaped from its ``two_d_rows`` (the tensor's own rows in
+    2-D) to its tensor's shape, held there by a barrier where that reshape is a copy on TPU:
+    a 3-D or wider tensor whose second-minor dim is not whole sublane tiles (ViT's 197
+    tokens). Without it XLA folds the reshape into the consumers' own reshapes to 2-D rows,
+    so a matmul of the result (a Linear's gradient) runs on the kernel's rows and its
+    output, 4x wider in an MLP, is what gets copied to the tensor's padded layout."""
+    sublane_tile = tiling.SUBLANES * max(1, 4 // out.dtype.itemsize)
+    if two_d_rows and out.shape[-2] % sublane_tile:
+        return lax.optimization_barrier(out)
+    return out

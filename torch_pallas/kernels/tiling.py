@@ -100,14 +100,21 @@ def round_up(value: int, multiple: int) -> int:
 def view_2d(shape) -> tuple[int, int]:
     """(rows, cols) of the row-major 2-D view of a tensor of ``shape`` (numel > 0).
 
-    Prefers lane-dense views (cols a multiple of 128 dividing numel); otherwise the last
-    dim when it is wide, else a single row.
+    The tensor's own rows when its last dim is whole lanes (a multiple of 128) and there
+    are at least 8 of them (a vreg's sublanes): the ops around a kernel (a LayerNorm, a
+    matmul) work on those rows, and XLA computes a fusion that meets a kernel in the
+    kernel's view, where a per-row statistic of rows of another width cannot be broadcast
+    inside the fusion and is written to HBM whole. Otherwise a lane-dense view (cols a
+    multiple of 128 dividing numel); otherwise the last dim when it is wide, else a single
+    row.
     """
     numel = math.prod(shape)
+    last = shape[-1] if len(shape) else 1
+    if last % LANES == 0 and numel // last >= SUBLANES:
+        return numel // last, last
     for cols in (1024, 512, 256, 128):
         if numel % cols == 0:
             return numel // cols, cols
-    last = shape[-1] if len(shape) else 1
     if last >= LANES:
         return numel // last, last
     return 1, numel
