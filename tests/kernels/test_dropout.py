@@ -101,7 +101,7 @@ def test_dropout_add_is_the_dropout_mask_plus_residual_rounded_once(dtype, block
     ((4, 197, 256), jnp.float32, True),    # ViT's 197 tokens: the reshape to (4, 197, 256) is a copy on TPU
     ((4, 200, 256), jnp.float32, False),   # whole (8, 128) tiles: the reshape is free
     ((4, 200, 256), jnp.bfloat16, True),   # bfloat16's tiles are 16 rows
-    ((4, 197, 320), jnp.float32, False),   # seen lane-dense, (1970, 128): not the tensor's own rows
+    ((4, 197, 320), jnp.float32, False),   # seen lane-dense, (985, 256): not the tensor's own rows
     ((197, 256), jnp.float32, False)])     # the view is the tensor
 def test_result_is_held_in_its_own_layout_where_reshaping_it_is_a_copy(shape, dtype, held):
     # bench/results/tpu_step.md: without the barrier ViT's MLP gradient is computed in the
