@@ -312,7 +312,6 @@ def _in_own_layout(out: jax.Array, *, two_d_rows: bool) -> jax.Array:
     tokens). Without it XLA folds the reshape into the consumers' own reshapes to 2-D rows,
     so a matmul of the result (a Linear's gradient) runs on the kernel's rows and its
     output, 4x wider in an MLP, is what gets copied to the tensor's padded layout."""
-    sublane_tile = tiling.SUBLANES * max(1, 4 // out.dtype.itemsize)
-    if two_d_rows and out.shape[-2] % sublane_tile:
+    if two_d_rows and out.shape[-2] % tiling.sublane_tile(out.dtype.itemsize):
         return lax.optimization_barrier(out)
     return out

@@ -97,6 +97,13 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def sublane_tile(itemsize: int) -> int:
+    """Rows of one vreg tile of a dtype of ``itemsize`` bytes: packed dtypes fill a vreg's
+    sublanes with 32 // bits rows (8 rows of 32 bits, 16 of 16 bits), so an array's rows are
+    padded to this many in VMEM, and on TPU in HBM."""
+    return SUBLANES * max(1, 4 // itemsize)
+
+
 def view_2d(shape) -> tuple[int, int]:
     """(rows, cols) of the row-major 2-D view of a tensor of ``shape`` (numel > 0).
 
@@ -185,7 +192,7 @@ def _default_elementwise(rows: int, cols: int, itemsize: int, interpret: bool) -
     # pads it to a whole sublane tile (8 rows of 32 bits, 16 of 16 bits), so its width is
     # budgeted for that; beyond a chunk's width it is made a multiple of the chunk, so the
     # kernel body can walk it in bounded chunks.
-    max_cols = max(LANES, target // (SUBLANES * max(1, 4 // itemsize)) // LANES * LANES)
+    max_cols = max(LANES, target // sublane_tile(itemsize) // LANES * LANES)
     block_cols = min(cols, max_cols)
     if block_cols > _TPU_CHUNK_COLS:
         block_cols = block_cols // _TPU_CHUNK_COLS * _TPU_CHUNK_COLS
@@ -247,9 +254,7 @@ def _default_recurrence(T: int, B: int, F: int, dtype, interpret: bool) -> Recur
     itemsize = np.dtype(dtype).itemsize
     features = F if F <= _TPU_MAX_BLOCK_FEATURES else _TPU_SPLIT_BLOCK_FEATURES
     batch = min(B, _TPU_MAX_BLOCK_BATCH)
-    # Packed dtypes fill a vreg's sublanes with 32 // bits rows, so a (batch, features)
-    # slab occupies at least this many rows of VMEM.
-    sublane_tile = SUBLANES * max(1, 4 // itemsize)
-    step_bytes = round_up(batch, sublane_tile) * round_up(features, LANES) * itemsize
+    # A (batch, features) slab occupies at least a sublane tile's rows of VMEM.
+    step_bytes = round_up(batch, sublane_tile(itemsize)) * round_up(features, LANES) * itemsize
     max_time = max(SUBLANES, min(_TPU_MAX_BLOCK_TIME, _TPU_BLOCK_BYTES // step_bytes))
     return RecurrenceBlocks(_balanced_block(T, max_time), batch, features)
