@@ -148,7 +148,8 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
         return None
     drawn = found[1]
     scores = _recall(drawn.x, _SOFTMAX_OF)  # the scores whose softmax the weights are
-    if scores is not None and drawn.key_data is not None and dropout_matmul_kernels.rows_fit(scores.shape[-1]):
+    if (scores is not None and drawn.key_data is not None
+            and dropout_matmul_kernels.rows_fit(*scores.shape[-2:], drawn.impl)):
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
         return dropout_matmul_op.apply(scores, args[1], drawn.key_data, drawn.p, drawn.impl, True)
     return drawn.multiplied_by(args[1])

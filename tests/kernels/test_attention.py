@@ -156,9 +156,25 @@ def test_hardware_mask_is_the_same_for_every_block_of_whole_tiles(emulated_hardw
 
 
 def test_hardware_forward_and_backward_with_different_blocks_match_the_reference(emulated_hardware_prng):
-    assert attention.attention_tile(40, 300) == (8, 128)
-    check((1, 2, 40, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",
-          blocks=Blocks(40, 384), backward_blocks=Blocks(16, 128))
+    assert attention.attention_tile(264, 300) == (8, 128)
+    check((1, 2, 264, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",
+          blocks=Blocks(264, 384), backward_blocks=Blocks(16, 128))
+
+
+@pytest.mark.parametrize("L, S, tile", [(40, 300, (40, 128)), (197, 197, (200, 256)), (256, 300, (256, 128)),
+                                        (264, 300, (8, 128)), (272, 300, (16, 128)), (1000, 1000, (8, 512)),
+                                        (2048, 2048, (256, 512))])
+def test_hardware_tile_has_every_row_of_a_short_plane(L, S, tile):
+    """Each seed costs the same whatever its tile's size: a plane of at most 256 rows (in whole
+    8-row sublanes) is one row of tiles; a longer one has as many rows per tile, up to 256, as
+    divide it."""
+    assert attention.attention_tile(L, S) == tile
+
+
+def test_hardware_mask_of_a_short_plane_matches_the_reference(emulated_hardware_prng):
+    """ViT-B/16's 197 patches: one 200-row tile per column of tiles, drawn whole and cut to L."""
+    check((1, 2, 197, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",
+          blocks=Blocks(197, 384), backward_blocks=Blocks(197, 128))
 
 
 def test_hardware_default_blocks_take_a_short_length_whole():

@@ -64,7 +64,8 @@ def test_16_bit_dtypes(dtype, rtol):
 
 
 def test_hardware_matches_the_reference_with_the_attention_kernels_mask(emulated_hardware_prng):
-    _check((1, 40, 300), 16, impl="hardware", backward_blocks=Blocks(8, 512))
+    _check((1, 264, 300), 16, impl="hardware", backward_blocks=Blocks(8, 512))
+    _check((1, 40, 300), 16, impl="hardware", backward_blocks=Blocks(40, 128))  # one row of tiles
 
 
 def test_the_threefry_mask_is_the_dropout_kernels():
@@ -124,7 +125,11 @@ def test_softmax_first_needs_whole_rows_that_fit():
     with pytest.raises(ValueError, match="whole rows"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 256)), jnp.zeros((2, 256, 8)), p=0.1,
                                               interpret=True, blocks=Blocks(8, 128), softmax=True)
-    assert dropout_matmul.rows_fit(16384) and not dropout_matmul.rows_fit(16385)
+    assert dropout_matmul.rows_fit(8, 16384, "threefry") and not dropout_matmul.rows_fit(8, 16385, "threefry")
+    # With the hardware PRNG a block holds at least its tiles' rows (or all of L): 197 rows (200-row
+    # tiles) of 1024 scores fit, of 1025 not; GPT-2's 1024 x 1024 (256-row tiles) fit.
+    assert dropout_matmul.rows_fit(197, 1024, "hardware") and not dropout_matmul.rows_fit(197, 1025, "hardware")
+    assert dropout_matmul.rows_fit(1024, 1024, "hardware") and not dropout_matmul.rows_fit(1024, 1025, "hardware")
     with pytest.raises(ValueError, match="rows of at most 16384 scores"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((1, 8, 16385)), jnp.zeros((1, 16385, 8)),
                                               p=0.1, interpret=True, softmax=True)

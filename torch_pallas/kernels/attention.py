@@ -113,11 +113,16 @@ def weights_problem(batch, L: int, S: int, Ev: int) -> _Problem:
 def attention_tile(L: int, S: int) -> tuple[int, int]:
     """The tile the hardware PRNG is seeded per over a batch element's ``L x S`` plane: the
     lanes of :func:`tiling.hardware_tile` of the plane, at most 512 (a score block of whole
-    tiles stays small enough for VMEM), and as many rows, up to 256, as divide ``L`` in whole
-    8-row sublanes. Seeding hashes a whole vreg, so the tile is as large as the default
-    blocks take: every forward and backward default block is whole tiles."""
+    tiles stays small enough for VMEM), and every row of ``L`` in whole 8-row sublanes where
+    that is at most 256, else as many rows, up to 256, as divide ``L`` in whole sublanes.
+    Seeding hashes a whole vreg and costs as much for a small tile as for a large one, so the
+    tile is as large as the default blocks take: every forward and backward default block is
+    whole tiles, and a short length is one row of tiles (ViT-B/16's 197 patches: 200 x 256,
+    not 25 tiles of 8 x 256 per plane)."""
     cols = min(tiling.hardware_tile(L, S)[1], _HARDWARE_TILE_MAX_COLS)
     height = tiling.round_up(L, tiling.SUBLANES)
+    if height <= _HARDWARE_TILE_MAX_ROWS:
+        return height, cols
     rows = tiling.SUBLANES
     while rows * 2 <= _HARDWARE_TILE_MAX_ROWS and height % (rows * 2) == 0:
         rows *= 2

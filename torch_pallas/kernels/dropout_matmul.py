@@ -51,12 +51,20 @@ def check_shapes(weights_shape, value_shape) -> None:
 # Elements of one block of scores when a block holds whole rows (``softmax=True``): with the
 # weights, their gradient and the mask's bits alive at once it stays well inside v4's 16 MiB VMEM.
 _ROW_BLOCK_ELEMENTS = 2**17
+# The most a block of whole rows may hold where the hardware PRNG's tile rows set its least rows:
+# GPT-2's 256 x 1024 scores, which compile for every generation.
+_MAX_ROW_BLOCK_ELEMENTS = 2**18
 
 
-def rows_fit(S: int) -> bool:
-    """Whether ``softmax=True`` takes rows of ``S`` scores: 8 of them (and their hardware
-    tiles' padding) within :data:`_ROW_BLOCK_ELEMENTS`."""
-    return tiling.SUBLANES * tiling.round_up(S, 512) <= _ROW_BLOCK_ELEMENTS
+def rows_fit(L: int, S: int, impl: str) -> bool:
+    """Whether ``softmax=True`` takes ``(L, S)`` weights: 8 rows of ``S`` scores (and their
+    hardware tiles' padding) within :data:`_ROW_BLOCK_ELEMENTS`, and with ``impl="hardware"``
+    the fewest rows a block of whole tiles holds within :data:`_MAX_ROW_BLOCK_ELEMENTS`."""
+    if tiling.SUBLANES * tiling.round_up(S, 512) > _ROW_BLOCK_ELEMENTS:
+        return False
+    if impl != prng.HARDWARE:
+        return True
+    return min(attention.attention_tile(L, S)[0], L) * tiling.round_up(S, 512) <= _MAX_ROW_BLOCK_ELEMENTS
 
 
 def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
@@ -76,9 +84,11 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
     if softmax:
         if blocks is not None and blocks.kv < S:
             raise ValueError(f"blocks must hold whole rows (kv >= {S}) with softmax=True, got {blocks}")
-        if not rows_fit(S):
-            raise ValueError(f"softmax=True takes rows of at most {_ROW_BLOCK_ELEMENTS // tiling.SUBLANES} scores "
-                             f"(whole rows per block, in VMEM), got {S}")
+        if not rows_fit(L, S, impl):
+            hardware = (f", and with impl='hardware' at most {_MAX_ROW_BLOCK_ELEMENTS} in a block of the PRNG's "
+                        f"{attention.attention_tile(L, S)[0]}-row tiles" if impl == prng.HARDWARE else "")
+            raise ValueError(f"softmax=True takes rows of at most {_ROW_BLOCK_ELEMENTS // tiling.SUBLANES} scores"
+                             f"{hardware} (whole rows per block, in VMEM), got weights of {L} x {S}")
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
