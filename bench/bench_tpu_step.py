@@ -186,8 +186,8 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
                 if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
                     continue  # its attention dropout is torch_pallas's whatever the variant
                 records += [{**base, **r} for r in measure(model, batch, variant, generations)]
+                save(records)  # a long run keeps what it measured if a later variant fails or is stopped
             del model, batch
-            save(records)  # a long run keeps what it measured if a later model fails
     return records
 
 
