@@ -185,9 +185,9 @@ def test_hardware_default_blocks_take_a_short_length_whole():
     long = attention.resolve_problem((2, 1000, 64), (2, 1000, 64), (2, 1000, 64))
     for backward in (False, True):
         assert attention.resolve_blocks(None, short, impl="hardware", interpret=False,
-                                        backward=backward) == Blocks(197, 197)
+                                        backward=backward) == Blocks(197, 197, 2)
         assert attention.resolve_blocks(None, long, impl="hardware", interpret=False,
-                                        backward=backward) == Blocks(256 if backward else 512, 512)
+                                        backward=backward) == Blocks(256 if backward else 512, 512, 1)
     assert dropout_matmul._row_blocks(197, 197, "hardware") == Blocks(197, 197)
 
 
@@ -196,6 +196,69 @@ def test_hardware_blocks_must_be_whole_tiles(emulated_hardware_prng):
         attention.attention_forward(jnp.asarray(KEY), jnp.zeros((1, 64, 8)), jnp.zeros((1, 1024, 8)),
                                     jnp.zeros((1, 1024, 8)), dropout_p=0.1, impl="hardware", interpret=True,
                                     blocks=Blocks(64, 256))
+
+
+def test_short_planes_share_a_grid_step():
+    """ViT-B/16 (32 images x 12 heads of 197 x 197): a block of a whole plane of at most 256 x 256
+    shares its step with as many planes, up to MAX_PLANES, as fit 8 x 256 lanes per row and
+    divide the batch, in every kernel; a longer plane takes a step per block."""
+    vit = attention.resolve_problem((32, 12, 197, 64), (32, 12, 197, 64), (32, 12, 197, 64))
+    for impl in ("threefry", "hardware"):
+        for backward in (False, True):
+            assert attention.resolve_blocks(None, vit, impl=impl, interpret=False,
+                                            backward=backward) == Blocks(197, 197, 8)
+    assert attention.resolve_blocks(Blocks(197, 197), vit, impl="threefry", interpret=False,
+                                    max_planes=1) == Blocks(197, 197, 1)
+    odd = attention.resolve_problem((14, 197, 64), (14, 200, 64), (14, 200, 64))
+    assert attention.resolve_blocks(None, odd, impl="threefry", interpret=False).planes == 7
+    wider = attention.resolve_problem((14, 197, 64), (14, 300, 64), (14, 300, 64))
+    assert attention.resolve_blocks(None, wider, impl="threefry", interpret=False).planes == 1
+    wide = attention.resolve_problem((32, 12, 197, 256), (32, 12, 197, 256), (32, 12, 197, 256))
+    masked = attention.resolve_problem((32, 12, 197, 128), (32, 12, 197, 128), (32, 12, 197, 128), (197, 197))
+    assert attention.resolve_blocks(None, wide, impl="hardware", interpret=False).planes == 4
+    assert attention.resolve_blocks(None, masked, impl="hardware", interpret=False).planes == 4
+    bert = attention.resolve_problem((8, 12, 512, 64), (8, 12, 512, 64), (8, 12, 512, 64), (8, 1, 1, 512))
+    assert attention.resolve_blocks(None, bert, impl="threefry", interpret=False).planes == 1
+
+
+@pytest.mark.parametrize("operands, planes", [
+    # a float mask per head, broadcast over the batch: a block of mask planes per step
+    (((2, 4, 24, 16), (2, 4, 24, 16), jnp.float32, (4, 24, 24), {}), 4),
+    # a padding mask broadcast over heads: one mask plane shared by a step's planes
+    (((2, 4, 24, 16), (2, 4, 24, 16), jnp.bool_, (2, 1, 1, 24), dict(causal=False)), 4),
+    # GQA groups of two heads: one key and value plane per step
+    (((2, 4, 24, 16), (2, 2, 24, 16), None, None, dict(gqa=True, causal=True)), 2),
+], ids=["mask-per-head", "mask-over-heads", "gqa"])
+def test_planes_per_step_give_the_same_values_and_gradients(operands, planes):
+    query_shape, key_shape, bias_dtype, bias_shape, options = operands
+    rng = np.random.default_rng(3)
+    bias = None
+    if bias_dtype is not None:
+        bias = jnp.asarray(rng.standard_normal(bias_shape) > -1 if bias_dtype == jnp.bool_
+                           else rng.standard_normal(bias_shape), bias_dtype)
+    results = [check(query_shape, key_shape, key_shape, bias=bias, dropout_p=0.3, **options,
+                     blocks=Blocks(24, 24, n), backward_blocks=Blocks(24, 24, n)) for n in (1, planes)]
+    for one, grouped in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_array_equal(np.asarray(one), np.asarray(grouped))
+
+
+def test_hardware_mask_is_the_same_for_any_planes_per_step(emulated_hardware_prng):
+    results = [check((1, 4, 40, 16), (1, 4, 40, 16), (1, 4, 40, 16), dropout_p=0.2, impl="hardware",
+                     blocks=Blocks(40, 40, n), backward_blocks=Blocks(40, 40, 2)) for n in (1, 4)]
+    for one, grouped in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_array_equal(np.asarray(one), np.asarray(grouped))
+
+
+@pytest.mark.parametrize("shapes, planes", [
+    (((2, 3, 8, 4), (2, 3, 8, 4)), 4),  # does not divide the 6 planes
+    (((2, 4, 8, 4), (2, 2, 8, 4)), 4),  # GQA groups of 2 heads: a step would read two partial groups
+    (((4, 16, 8, 4), (4, 16, 8, 4)), attention.MAX_PLANES * 2),
+])
+def test_planes_that_do_not_group_are_rejected(shapes, planes):
+    query_shape, key_shape = shapes
+    with pytest.raises(ValueError, match="blocks.planes"):
+        attention.attention_forward(jnp.asarray(KEY), jnp.zeros(query_shape), jnp.zeros(key_shape),
+                                    jnp.zeros(key_shape), gqa=True, interpret=True, blocks=Blocks(8, 8, planes))
 
 
 @pytest.mark.parametrize("shapes, match", [

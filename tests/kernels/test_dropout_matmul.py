@@ -121,6 +121,12 @@ def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
+def test_one_plane_per_grid_step():
+    with pytest.raises(ValueError, match="blocks.planes=2 must be at most 1"):
+        dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 128)), jnp.zeros((2, 128, 8)), p=0.1,
+                                              interpret=True, blocks=Blocks(8, 128, 2))
+
+
 def test_softmax_first_needs_whole_rows_that_fit():
     with pytest.raises(ValueError, match="whole rows"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 256)), jnp.zeros((2, 256, 8)), p=0.1,

@@ -34,6 +34,9 @@ KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 # Tiny, ragged, 1-D (a single-row view), and large: (4096, 4096) reaches the TPU's default
 # block limit (1 MiB per operand block).
 ELEMENTWISE_SHAPES = {"tiny": (7,), "ragged": (20, 300), "1d": (1000001,), "large": (4096, 4096)}
+# ViT-B/16's activations: (6304, 768) rows, whose hardware seed tiles (256, 256) leave the last
+# tile row cut (the last block reaches past the view).
+VIT_ROWS = (32, 197, 768)
 # Non-default blocks of the large shape's (4096, 4096) view: for the hardware PRNG whole
 # (64, 1024) seed tiles.
 FORCED_BLOCKS = {"threefry": {"small": ElementwiseBlocks(8, 128), "column-major": ElementwiseBlocks(64, 512, True)},
@@ -115,7 +118,7 @@ OFFSETS_SPEC = P("data", "model", None)
 def test_dropout_add(generation, impl, dtype):
     # Two operands in, one out: the fused residual add (its backward is the dropout kernel).
     kernel = functools.partial(dropout.dropout_add, p=0.1, impl=impl, interpret=False)
-    for shape in elementwise_shapes(dtype, ("ragged", "large")):
+    for shape in elementwise_shapes(dtype, ("ragged", "large")) + ([VIT_ROWS] if dtype != "float16" else []):
         operand = jax.ShapeDtypeStruct(shape, DTYPES[dtype])
         compiles(kernel, KEY, operand, operand, generation=generation)
 
@@ -247,8 +250,8 @@ def attention_forward_and_backward(key_data, query, key, value, *bias, **options
     return out, pullback(out)
 
 
-# (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (every block all of L: the
-# backward's row statistics are (1, 197) or, hardware tiles, (1, 200) blocks), and 2048 tokens
+# (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (every block all of L, the 8
+# planes in one grid step: the backward's row statistics are (8, 1, 197) blocks), and 2048 tokens
 # with the default blocks at their largest.
 ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "197": ((2, 4, 197, 64),) * 2,
                     "2048-head-128": ((1, 2, 2048, 128),) * 2}
@@ -271,11 +274,13 @@ def test_attention(generation, impl, dtype):
                  KEY, query, key, key, generation=generation)
 
 
-@pytest.mark.parametrize("mask", ["bool", "float"])
-def test_attention_with_a_broadcast_mask_and_gqa(generation, mask):
-    query = jax.ShapeDtypeStruct((2, 4, 1000, 64), jnp.bfloat16)
-    key = jax.ShapeDtypeStruct((2, 2, 700, 64), jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((2, 1, 1000, 700) if mask == "bool" else (2, 1, 1, 700),
+# A float mask over keys, or a boolean one per query row too, broadcast over heads; at 197 tokens
+# a grid step holds several planes (heads), sharing the step's mask, key and value planes.
+@pytest.mark.parametrize("mask,L,S", [("bool", 1000, 700), ("float", 1000, 700), ("float", 197, 197)])
+def test_attention_with_a_broadcast_mask_and_gqa(generation, mask, L, S):
+    query = jax.ShapeDtypeStruct((2, 4, L, 64), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct((2, 2, S, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((2, 1, L, S) if mask == "bool" else (2, 1, 1, S),
                                 jnp.bool_ if mask == "bool" else jnp.bfloat16)
     compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, gqa=True),
              KEY, query, key, key, bias, generation=generation)
@@ -341,7 +346,8 @@ REPRESENTATIVE = {
     "indrnn": lambda generation: (test_indrnn(generation, "relu", "bfloat16"), test_indrnn(generation, "tanh", "float32"),
                                   test_indrnn_per_shard_on_a_2x2_topology(generation, "relu")),
     "attention": lambda generation: (test_attention(generation, "hardware", "float32"),
-                                     test_attention_with_a_broadcast_mask_and_gqa(generation, "bool"),
+                                     test_attention_with_a_broadcast_mask_and_gqa(generation, "bool", 1000, 700),
+                                     test_attention_with_a_broadcast_mask_and_gqa(generation, "float", 197, 197),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
 }
 

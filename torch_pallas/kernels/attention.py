@@ -7,7 +7,9 @@ kernels (one for the key and value gradients, one for the query's, FlashAttentio
 recompute the probabilities from the log-sum-exp; where every key fits one block (short
 sequences: ViT's 197 patches, BERT's 512 tokens) the first kernel also gives the query's
 gradient, which is then complete per block of rows, so the probabilities and the mask are
-computed once in the backward pass instead of twice. The dropout mask is regenerated in every
+computed once in the backward pass instead of twice. Where a plane is smaller than a block
+(ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
+after the other, so the step's fixed cost is shared. The dropout mask is regenerated in every
 kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
@@ -54,18 +56,31 @@ ROW_STAT_LANES = tiling.LANES
 TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
 _HARDWARE_TILE_MAX_COLS = 512
 _HARDWARE_TILE_MAX_ROWS = 256
+# Planes per grid step: each is its own unrolled block, so more of them lengthen the kernel's code.
+# On the compiler's schedule ViT-B/16's 384 planes of 197 x 197 (f32, forward and backward) take
+# least at 8 per step on v4-v6e. A step's blocks are bounded in lanes per row (the head dims', and
+# a mask's and its gradient's): VMEM (16 MiB on v4) holds 8 planes of 197 x 197 float32 at E = 128
+# with a float mask, not 4 at E = 256 with one.
+MAX_PLANES = 8
+_SHORT_PLANE = (256, 256)
+_MAX_PLANE_LANES = 8 * 2 * tiling.LANES
+# How a grid step's consecutive output planes read an operand (_grouping).
+_BLOCKED, _SHARED = "blocked", "shared"
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """Rows of the query (``q``) and of the keys and values (``kv``) per grid step of an
     attention kernel: the score block is ``q x kv``. A block larger than its length is
-    clamped to it; the lengths are padded to whole blocks (padded keys are masked out)."""
+    clamped to it; the lengths are padded to whole blocks (padded keys are masked out).
+    ``planes``: batch elements (heads) per grid step, each its own ``q x kv`` block, or
+    ``None`` for as many as :func:`resolve_blocks` finds fit."""
     q: int
     kv: int
+    planes: int | None = None
 
     def __post_init__(self):
-        tiling._check_positive_ints(self, ("q", "kv"))
+        tiling._check_positive_ints(self, ("q", "kv") if self.planes is None else ("q", "kv", "planes"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,17 +221,62 @@ def _default_blocks(interpret: bool, backward: bool) -> AttentionBlocks:
     return AttentionBlocks(256, 512) if backward else AttentionBlocks(512, 512)
 
 
+def _grouping(layout: _Layout | None, batch, planes: int) -> str | None:
+    """How each run of ``planes`` consecutive output planes (from a multiple of ``planes``)
+    reads an operand laid out by ``layout``: ``"blocked"``, as consecutive operand planes from
+    a multiple of ``planes`` (one block of them); ``"shared"``, as one operand plane (a mask
+    broadcast over heads); ``None``, otherwise (GQA groups smaller than ``planes``, say)."""
+    if layout is None:
+        return _SHARED
+    size = math.prod(batch)
+    groups = np.broadcast_to(layout.index(batch, np.arange(size)), (size,)).reshape(-1, planes)
+    if (groups == groups[:, :1] + np.arange(planes)).all() and not (groups[:, 0] % planes).any():
+        return _BLOCKED
+    if (groups == groups[:, :1]).all():
+        return _SHARED
+    return None
+
+
+def _planes_fit(problem: _Problem, planes: int) -> bool:
+    return (problem.size % planes == 0 and _grouping(problem.kv_layout, problem.batch, planes) is not None
+            and _grouping(problem.bias_layout, problem.batch, planes) is not None)
+
+
+def _resolve_planes(planes: int | None, problem: _Problem, q: int, kv: int, max_planes: int) -> int:
+    if planes is not None:
+        if planes > max_planes or not _planes_fit(problem, planes):
+            raise ValueError(f"blocks.planes={planes} must be at most {max_planes} and divide the {problem.size} "
+                             "planes (batch elements) in runs that read whole blocks of key, value and mask planes")
+        return planes
+    # A grid step costs a fixed time (pipeline bookkeeping, the row statistics) whatever its block's
+    # size: short planes (ViT's 197 x 197) share steps; a longer one's blocks are large enough.
+    short = (q == problem.L and kv == problem.S and tiling.round_up(q, tiling.SUBLANES) <= _SHORT_PLANE[0]
+             and tiling.round_up(kv, tiling.LANES) <= _SHORT_PLANE[1])
+    if not short:
+        return 1
+    lanes = sum(tiling.round_up(n, tiling.LANES) for n in (problem.E, problem.Ev))
+    if problem.bias_layout is not None:
+        lanes += tiling.round_up(kv, tiling.LANES)
+    fits = [n for n in range(1, max_planes + 1) if n * lanes <= _MAX_PLANE_LANES and _planes_fit(problem, n)]
+    return max(fits, default=1)
+
+
 def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: str, interpret: bool,
-                   backward: bool = False) -> AttentionBlocks:
+                   backward: bool = False, max_planes: int = MAX_PLANES) -> AttentionBlocks:
     """``blocks`` (or the default) clamped to the lengths and checked as Mosaic wants them:
     ``q`` a multiple of 8 or all of ``L``, ``kv`` a multiple of 128 or all of ``S``; for
     ``impl="hardware"`` whole :func:`attention_tile` tiles or all of the length (the default is
     rounded up to them). A block of all of a length needs no padding of the operands: XLA
-    would otherwise copy them padded, forward and backward, at HBM's cost.
+    would otherwise copy them padded, forward and backward, at HBM's cost. ``planes`` (where
+    ``None``): 1, unless a block is a whole plane of at most 256 x 256 scores (padded to whole
+    vregs); then the most, up to ``max_planes``, whose rows hold at most 8 x 256 lanes (``E``,
+    ``Ev`` and with a mask ``kv``, each padded to 128), which divide the batch, and whose key,
+    value and mask planes are whole blocks or one shared plane.
 
     Raises:
         TypeError: ``blocks`` is not an :class:`AttentionBlocks`.
-        ValueError: a block Mosaic would reject, or not whole tiles for the hardware PRNG.
+        ValueError: a block Mosaic would reject, not whole tiles for the hardware PRNG, or
+            ``planes`` that do not group as above.
     """
     tile = attention_tile(problem.L, problem.S) if impl == prng.HARDWARE else None
     if blocks is None:
@@ -232,12 +292,11 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
             raise ValueError(f"blocks ({blocks.q}, {blocks.kv}) must be whole {tile} tiles (or the whole length) for "
                              f"impl='hardware', the tile its PRNG is seeded per over this {problem.L}x{problem.S} "
                              "plane")
-        return AttentionBlocks(q, kv)
-    if (q != problem.L and q % tiling.SUBLANES) or (kv != problem.S and kv % tiling.LANES):
+    elif (q != problem.L and q % tiling.SUBLANES) or (kv != problem.S and kv % tiling.LANES):
         raise ValueError(f"blocks: ({q}, {kv}) over a {problem.L}x{problem.S} score matrix is rejected by Mosaic "
                          f"(TPU), on every platform: q must be a multiple of {tiling.SUBLANES} or L, kv a multiple "
                          f"of {tiling.LANES} or S")
-    return AttentionBlocks(q, kv)
+    return AttentionBlocks(q, kv, _resolve_planes(blocks.planes, problem, q, kv, max_planes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +314,64 @@ class _Static:
     @property
     def tile(self):
         return attention_tile(self.problem.L, self.problem.S)
+
+    @property
+    def plane_dim(self):
+        """The leading dim of a block of the step's planes: ``None`` (squeezed) for one."""
+        return self.blocks.planes if self.blocks.planes > 1 else None
+
+    @property
+    def grid_planes(self):
+        return self.problem.size // self.blocks.planes
+
+    def scratch(self, *shape):
+        """float32 VMEM scratch of ``shape`` per plane of the step."""
+        return pltpu.VMEM(shape if self.plane_dim is None else (self.plane_dim, *shape), jnp.float32)
+
+    def grouped(self, layout):
+        """Whether an operand laid out by ``layout`` has a block of the step's planes (not one
+        shared plane)."""
+        return self.plane_dim is not None and _grouping(layout, self.problem.batch, self.blocks.planes) == _BLOCKED
+
+
+class _PlaneRef:
+    """Plane ``h`` of a ref whose leading dim is the grid step's planes, read and written by
+    loads and stores at ``h`` (Mosaic rejects a view of one plane whose last dims are not whole
+    tiles: a row statistic's ``(1, 197)``)."""
+
+    def __init__(self, ref, h: int):
+        self.ref, self.h = ref, h
+
+    @property
+    def shape(self):
+        return self.ref.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def __getitem__(self, index):
+        return self.ref[(self.h, *(index if isinstance(index, tuple) else (index,)))]
+
+    def __setitem__(self, index, value):
+        self.ref[(self.h, *(index if isinstance(index, tuple) else (index,)))] = value
+
+
+def _over_planes(body, static: _Static, has_bias: bool):
+    """The kernel of a grid step over ``static.blocks.planes`` planes: ``body`` once per plane on
+    its plane of each block (a key, value or mask plane the step's planes share as it is), with
+    ``plane`` the plane's flat batch index. Refs after (key data, query, key, value, bias) are
+    the step's outputs and scratch, all per plane."""
+    planes, problem = static.blocks.planes, static.problem
+    kv = static.grouped(problem.kv_layout)
+    inputs = [False, planes > 1, kv, kv] + ([static.grouped(problem.bias_layout)] if has_bias else [])
+
+    def kernel(*refs):
+        first = pl.program_id(0) * planes
+        for h in range(planes):
+            per_plane = inputs + [planes > 1] * (len(refs) - len(inputs))
+            body(*[_PlaneRef(ref, h) if split else ref for ref, split in zip(refs, per_plane)], plane=first + h)
+    return kernel
 
 
 def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
@@ -338,10 +455,10 @@ def _last_needed_kv_block(static: _Static, q_index):
     return (q_index * static.blocks.q + static.blocks.q - 1) // static.blocks.kv
 
 
-def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool):
+def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, plane):
     bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
     out_ref, lse_ref, max_ref, sum_ref, acc_ref = refs
-    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, q_index, kv_index = plane, pl.program_id(1), pl.program_id(2)
 
     @pl.when(kv_index == 0)
     def _():
@@ -456,19 +573,24 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
             return jnp.maximum(q_index, first)
         return q_index
 
+    def operand_plane(layout):
+        """The leading block dim and the block index of an operand's planes for grid step ``b``."""
+        if static.grouped(layout):
+            return static.plane_dim, lambda b: layout.index(problem.batch, b * blocks.planes) // blocks.planes
+        return None, lambda b: layout.index(problem.batch, b * blocks.planes)
+
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    q_spec = pl.BlockSpec((None, blocks.q, problem.E), ordered(lambda b, i, j: (b, q_block(i, j), 0)))
-    k_spec = pl.BlockSpec((None, blocks.kv, problem.E),
-                          ordered(lambda b, i, j: (problem.kv_layout.index(problem.batch, b), kv_block(i, j), 0)))
-    v_spec = pl.BlockSpec((None, blocks.kv, problem.Ev),
-                          ordered(lambda b, i, j: (problem.kv_layout.index(problem.batch, b), kv_block(i, j), 0)))
+    q_spec = pl.BlockSpec((static.plane_dim, blocks.q, problem.E), ordered(lambda b, i, j: (b, q_block(i, j), 0)))
+    kv_dim, kv_plane = operand_plane(problem.kv_layout)
+    k_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.E), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
+    v_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.Ev), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
     specs = [smem, q_spec, k_spec, v_spec]
     if has_bias:
         rows = blocks.q if problem.bias_rows != 1 else 1
+        bias_dim, bias_plane = operand_plane(problem.bias_layout)
         specs.append(pl.BlockSpec(
-            (None, rows, blocks.kv),
-            ordered(lambda b, i, j: (problem.bias_layout.index(problem.batch, b),
-                                     q_block(i, j) if rows != 1 else 0, kv_block(i, j)))))
+            (bias_dim, rows, blocks.kv),
+            ordered(lambda b, i, j: (bias_plane(b), q_block(i, j) if rows != 1 else 0, kv_block(i, j)))))
     return specs, ordered, q_block
 
 
@@ -479,8 +601,9 @@ def noise_words(key_data, impl, shard_offset):
     return key if shard_offset is None else jnp.concatenate([key, shard_offset.reshape(2).astype(jnp.int32)])
 
 
-def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape):
-    blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward)
+def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape,
+                   max_planes=MAX_PLANES):
+    blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward, max_planes=max_planes)
     global_batch = None if global_shape is None else tuple(global_shape[:-2])
     planes = problem.size if global_batch is None else math.prod(global_batch)
     wide = impl == prng.THREEFRY and planes * problem.L * problem.S > 2**32
@@ -536,19 +659,19 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
     q, k, v, bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
     specs, _, _ = _specs(static, bias is not None, kv_major=False)
-    grid = (problem.size, L_padded // blocks.q, S_padded // blocks.kv)
+    grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, has_bias=bias is not None),
+        _over_planes(functools.partial(_forward_kernel, static=static, has_bias=bias is not None), static,
+                     bias is not None),
         grid=grid,
         in_specs=specs,
-        out_specs=[pl.BlockSpec((None, blocks.q, problem.Ev), out_index),
-                   pl.BlockSpec((None, blocks.q, ROW_STAT_LANES), out_index)],
+        out_specs=[pl.BlockSpec((static.plane_dim, blocks.q, problem.Ev), out_index),
+                   pl.BlockSpec((static.plane_dim, blocks.q, ROW_STAT_LANES), out_index)],
         out_shape=[jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
                    jax.ShapeDtypeStruct((problem.size, L_padded, ROW_STAT_LANES), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
-                        pltpu.VMEM((blocks.q, ROW_STAT_LANES), jnp.float32),
-                        pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
+        scratch_shapes=[static.scratch(blocks.q, ROW_STAT_LANES), static.scratch(blocks.q, ROW_STAT_LANES),
+                        static.scratch(blocks.q, problem.Ev)],
         compiler_params=compiler_params(),
         interpret=interpret,
     )(*[noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
@@ -570,7 +693,7 @@ def _column(row_stat_ref):
 def _row_stat_spec(static: _Static, index_map):
     """The BlockSpec of a row statistic laid out ``(batch, q blocks, 1, q)``: one value per row,
     each block a whole (1, q) array, which Mosaic takes for every ``q``."""
-    return pl.BlockSpec((None, None, 1, static.blocks.q), index_map)
+    return pl.BlockSpec((static.plane_dim, None, 1, static.blocks.q), index_map)
 
 
 def _probabilities(s, lse):
@@ -578,8 +701,8 @@ def _probabilities(s, lse):
     return jnp.exp(s - lse)
 
 
-def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, with_query: bool = False,
-                      bias_grad: bool = False):
+def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, with_query: bool,
+                      bias_grad: bool, plane):
     """The key's and value's gradients, accumulated over the blocks of query rows (the grid's
     innermost axis). ``with_query``, when one block holds every key: the query's gradient (and
     with ``bias_grad`` the bias's) of each block of rows too, whole in that one step."""
@@ -588,7 +711,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
     grad_q_ref, refs = (refs[0], refs[1:]) if with_query else (None, refs)
     grad_bias_ref, refs = (refs[0], refs[1:]) if bias_grad else (None, refs)
     grad_k_acc, grad_v_acc = refs
-    b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, kv_index, q_index = plane, pl.program_id(1), pl.program_id(2)
 
     @pl.when(q_index == 0)
     def _():
@@ -624,11 +747,11 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
 
 
-def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, bias_grad: bool):
+def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, bias_grad: bool, plane):
     bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
     grad_out_ref, lse_ref, delta_ref, grad_q_ref, *refs = refs
     grad_bias_ref, grad_q_acc = refs if bias_grad else (None, refs[0])
-    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, q_index, kv_index = plane, pl.program_id(1), pl.program_id(2)
 
     @pl.when(kv_index == 0)
     def _():
@@ -663,20 +786,21 @@ def _query_gradients(static: _Static, operands, has_bias, bias_grad, dtype, L_pa
     """The query kernel's outputs: the query's gradient, and with ``bias_grad`` the bias's."""
     problem, blocks = static.problem, static.blocks
     specs, _, _ = _specs(static, has_bias, kv_major=False)
-    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
+    row_spec = lambda lanes: pl.BlockSpec((static.plane_dim, blocks.q, lanes), lambda b, i, j: (b, i, 0))  # noqa: E731
     row_stat = _row_stat_spec(static, lambda b, i, j: (b, i, 0, 0))
     out_specs = [row_spec(problem.E)]
     out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), dtype)]
     if bias_grad:
-        out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
+        out_specs.append(pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
         out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad),
-        grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
+        _over_planes(functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad), static,
+                     has_bias),
+        grid=(static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv),
         in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=out_specs,
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((blocks.q, problem.E), jnp.float32)],
+        scratch_shapes=[static.scratch(blocks.q, problem.E)],
         compiler_params=compiler_params(),
         interpret=interpret,
     )(*operands)
@@ -740,10 +864,10 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
                 grad_out, lse_rows, delta]
 
     specs, ordered, q_block = _specs(static, has_bias, kv_major=True)
-    row_spec = lambda lanes: pl.BlockSpec((None, blocks.q, lanes),  # noqa: E731
+    row_spec = lambda lanes: pl.BlockSpec((static.plane_dim, blocks.q, lanes),  # noqa: E731
                                           ordered(lambda b, i, j: (b, q_block(i, j), 0)))
     row_stat = _row_stat_spec(static, ordered(lambda b, i, j: (b, q_block(i, j), 0, 0)))
-    per_key = lambda lanes: pl.BlockSpec((None, blocks.kv, lanes), lambda b, j, i: (b, j, 0))  # noqa: E731
+    per_key = lambda lanes: pl.BlockSpec((static.plane_dim, blocks.kv, lanes), lambda b, j, i: (b, j, 0))  # noqa: E731
     out_specs = [per_key(problem.E), per_key(problem.Ev)]
     out_shape = [jax.ShapeDtypeStruct((problem.size, S_padded, problem.E), jnp.float32),
                  jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), jnp.float32)]
@@ -754,17 +878,17 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         out_specs.append(row_spec(problem.E))
         out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype))
         if bias_grad:
-            out_specs.append(pl.BlockSpec((None, blocks.q, blocks.kv), ordered(lambda b, i, j: (b, q_block(i, j), j))))
+            out_specs.append(pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv),
+                                          ordered(lambda b, i, j: (b, q_block(i, j), j))))
             out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
     grad_k, grad_v, *grads = pl.pallas_call(
-        functools.partial(_key_value_kernel, static=static, has_bias=has_bias, with_query=with_query,
-                          bias_grad=with_query and bias_grad),
-        grid=(problem.size, num_kv, num_q),
+        _over_planes(functools.partial(_key_value_kernel, static=static, has_bias=has_bias, with_query=with_query,
+                                       bias_grad=with_query and bias_grad), static, has_bias),
+        grid=(static.grid_planes, num_kv, num_q),
         in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=out_specs,
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((blocks.kv, problem.E), jnp.float32),
-                        pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
+        scratch_shapes=[static.scratch(blocks.kv, problem.E), static.scratch(blocks.kv, problem.Ev)],
         compiler_params=compiler_params(),
         interpret=interpret,
     )(*operands)

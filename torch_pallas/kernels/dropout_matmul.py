@@ -92,7 +92,7 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
-                                      interpret=interpret, backward=backward, global_shape=None)
+                                      interpret=interpret, backward=backward, global_shape=None, max_planes=1)
     L_padded = tiling.round_up(L, static.blocks.q)
     S_padded = tiling.round_up(S, static.blocks.kv)
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
