@@ -647,6 +647,13 @@ class StepEstimate:
         return "\n".join(lines)
 
 
+def _op_hbm(kind, run, hbm):
+    """An op's HBM bytes: its operands' and results', or a kernel's own DMAs where they move more."""
+    if kind == "kernel" and run["hbm_dma_bytes"] is not None:
+        return max(hbm, run["hbm_dma_bytes"])
+    return hbm
+
+
 def _code_signature(hlo, match, types):
     """What the code of an entry instruction (``match``: its :data:`_INSTRUCTION` match) depends on:
     its op, its result's and operands' types (``types``: the entry's ``{name: type}``) and its
@@ -722,18 +729,15 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
             continue
         instruction = _instruction(label, dump)
         kind = "kernel" if instruction in kernels else "fusion"
-        hbm = moved.pop(instruction, 0)
         try:
-            run = executed_schedule(dump, generation, name=label)
+            run, followed = executed_schedule(dump, generation, name=label), True
         except ValueError:
             # A branch on a value from outside (data, a dynamic index): every loop at its trip count,
             # every conditional region taken, instead.
-            ops.append(op_estimate(instruction, kind, _static_bundles(dump), hbm, followed=False))
-            continue
-        runs[_code_signature(hlo, by_name[instruction], types)] = (kind, run)
-        if kind == "kernel" and run["hbm_dma_bytes"] is not None:
-            hbm = max(hbm, run["hbm_dma_bytes"])
-        ops.append(op_estimate(instruction, kind, run["bundles"], hbm))
+            run, followed = {"bundles": _static_bundles(dump), "hbm_dma_bytes": None}, False
+        runs[_code_signature(hlo, by_name[instruction], types)] = (kind, run, followed)
+        ops.append(op_estimate(instruction, kind, run["bundles"], _op_hbm(kind, run, moved.pop(instruction, 0)),
+                               followed))
     # libtpu generates code once for instructions that compute the same thing (the same kernel
     # on same-shaped operands, fusions of the same computation): they run the dumped one's.
     for match in instructions:
@@ -741,11 +745,9 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
             continue
         shared = runs.get(_code_signature(hlo, match, types))
         if shared:
-            kind, run = shared
-            hbm = moved.pop(match.group(1))
-            if kind == "kernel" and run["hbm_dma_bytes"] is not None:
-                hbm = max(hbm, run["hbm_dma_bytes"])
-            ops.append(op_estimate(match.group(1), kind, run["bundles"], hbm))
+            kind, run, followed = shared
+            ops.append(op_estimate(match.group(1), kind, run["bundles"], _op_hbm(kind, run, moved.pop(match.group(1))),
+                                   followed))
     ops += [op_estimate(name, "copy", 0, hbm) for name, hbm in moved.items() if hbm]
     return StepEstimate(generation=generation, program_bundles=program_bundles,
                         program_seconds=program_bundles / hardware.clock, ops=tuple(ops))

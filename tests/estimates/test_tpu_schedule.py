@@ -55,6 +55,18 @@ def test_dropout_kernel_agrees_with_the_committed_tpu_cost_figure():
     assert step.seconds == pytest.approx(89.6e-6, rel=0.15)
 
 
+def test_kernels_sharing_code_share_its_schedule_when_it_branches_on_data():
+    """Two dropouts of one shape run one compiled kernel; where its last block reaches past the
+    view (ViT's (6304, 768) rows, (256, 256) seed tiles) its code branches on the block index,
+    so it is costed by its static schedule, and so is the second call, not as a copy."""
+    x = jax.ShapeDtypeStruct((6304, 768), jnp.float32)
+
+    def two_dropouts(key_data, x, y):
+        return [dropout.dropout(key_data, operand, p=0.1, impl="hardware", interpret=False) for operand in (x, y)]
+    first, second = [op for op in estimate_of(two_dropouts, KEY, x, x, generation="v5p").ops if op.kind == "kernel"]
+    assert not first.followed and not second.followed and first.bundles == second.bundles > 0
+
+
 def test_a_loop_at_top_level_is_refused():
     def loop(x, n):
         return jax.lax.fori_loop(0, n, lambda i, x: jnp.sin(x), x)

@@ -79,8 +79,8 @@ def test_view_is_the_tensors_own_rows_when_they_are_whole_lanes(shape, view):
 
 @pytest.mark.parametrize("view,tile", [
     ((4096, 1024), (64, 1024)), ((16, 1024), (16, 1024)), ((1, 1000), (8, 1024)), ((13, 300), (16, 128)),
-    ((20, 300), (8, 128)),
-    ((2, 3072), (8, 1024)), ((100, 384), (8, 128)), ((2048, 128), (512, 128)), ((1, 7), (8, 128))])
-def test_hardware_tile_is_the_largest_that_pads_no_more_than_whole_vregs(view, tile):
+    ((20, 300), (24, 128)), ((2, 3072), (8, 1024)), ((100, 384), (104, 128)), ((2048, 128), (512, 128)),
+    ((1, 7), (8, 128)), ((6304, 768), (256, 256)), ((4160, 1024), (64, 1024))])
+def test_hardware_tile_is_every_row_or_the_most_rows_within_65536_elements(view, tile):
     """README, The noise contract: the seed tiles it names."""
     assert tiling.hardware_tile(*view) == tile

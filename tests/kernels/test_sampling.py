@@ -236,7 +236,7 @@ def as_int32(bits):
 HARDWARE_SHARDED = [
     ((256, 1024), (4, 1), False, None),                    # view (256, 1024), (64, 1024) tiles: one band a shard
     ((6, 64, 2048), (2, 1, 1), False, Blocks(128, 1024)),  # view (384, 2048), (64, 1024) tiles: 3 bands per shard
-    ((3, 16, 1024), (3, 1, 1), False, Blocks(16, 1024)),   # view (48, 1024), (16, 1024) tiles: a band a shard
+    ((3, 64, 1024), (3, 1, 1), False, Blocks(64, 1024)),   # view (192, 1024), (64, 1024) tiles: a band a shard
     ((5, 8, 256), (1, 2, 1), True, None),                  # one mask row of 2048, (8, 1024) tiles: 1 per shard
     ((4, 2, 256), (2, 1, 1), True, Blocks(8, 512)),        # split over the shared dim: the whole mask row, one tile
 ]
@@ -265,8 +265,9 @@ def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shap
 
 @pytest.mark.parametrize("shape,blocks", [((256, 1024), [Blocks(64, 1024), Blocks(128, 1024, True), Blocks(256, 1024)]),
                                           ((13, 300), [Blocks(16, 128), Blocks(16, 256, True)]),
-                                          ((3, 5, 700), [Blocks(16, 256), Blocks(16, 768, True)])],
-                         ids=["large tiles", "ragged", "last dim"])
+                                          ((3, 5, 700), [Blocks(16, 256), Blocks(16, 768, True)]),
+                                          ((6, 1000, 128), [Blocks(512, 128), Blocks(1024, 128, True)])],
+                         ids=["large tiles", "ragged", "last dim", "last tile row cut"])
 def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hardware_prng, shape, blocks):
     noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(7)), shape, as_int32, jnp.int32,
                               impl="hardware", interpret=True)
@@ -274,6 +275,17 @@ def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hard
     assert len(np.unique(expected)) > expected.size // 2
     for block in blocks:
         np.testing.assert_array_equal(np.asarray(noise(blocks=block)), expected, err_msg=str(block))
+
+
+def test_hardware_noise_of_a_cut_last_tile_row_is_its_tiles_drawn_whole(emulated_hardware_prng):
+    """README, The noise contract: a (6000, 128) view's (512, 128) tiles numbered row-major, the
+    last tile row's 368 rows those of its tile drawn whole; no block is padded in HBM."""
+    shape = (6, 1000, 128)
+    got = np.asarray(elementwise.noise_map(jnp.asarray(key_data(7)), shape, as_int32, jnp.int32, impl="hardware",
+                                           interpret=True, blocks=Blocks(1024, 128))).reshape(6000, 128)
+    hardware_key = np.asarray(prng.hardware_key_data(jnp.asarray(key_data(7))))
+    tiles = [np.asarray(emulated_hardware_tile_bits(hardware_key, np.int32(i), (512, 128))) for i in range(12)]
+    np.testing.assert_array_equal(got, np.concatenate(tiles).view(np.int32)[:6000])
 
 
 def test_hardware_blocks_that_are_not_whole_seed_tiles_are_refused():

@@ -26,19 +26,20 @@ KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 
 def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     """tests/estimates/: an XLA-only program is the sum of its fusions and grows with its size;
-    the dropout kernel agrees with bench/results/tpu_cost.md; a top-level loop is refused; on
-    the xla stack, a GPT-2 step's estimate covers its fusions and kernels."""
+    the dropout kernel agrees with bench/results/tpu_cost.md; kernels sharing code share its
+    schedule; a top-level loop is refused; on the xla stack, a GPT-2 step's estimate covers its
+    fusions and kernels."""
     env = dict(os.environ, TORCH_PALLAS_TPU_ESTIMATES="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "estimates"],
                             cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    # Every estimate test ran there, none skipped: test_tpu_schedule's 3, and on the xla stack
+    # Every estimate test ran there, none skipped: test_tpu_schedule's 4, and on the xla stack
     # test_step_estimate's 2 (torchax has no torch_xla graph to compile: that module skips).
     summary = result.stdout.strip().splitlines()[-1]
     counts = dict((outcome, int(number)) for number, outcome in re.findall(r"(\d+) (\w+)", summary))
     counts.pop("warning", None), counts.pop("warnings", None)
-    assert counts == ({"passed": 5} if STACK == "xla" else {"passed": 3, "skipped": 1}), summary
+    assert counts == ({"passed": 6} if STACK == "xla" else {"passed": 4, "skipped": 1}), summary
 
 
 def test_bad_arguments_and_unestablished_generations_raise_clearly():

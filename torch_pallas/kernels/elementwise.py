@@ -237,9 +237,11 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     if hardware:
         rows, cols, shared_row, global_cols, seed_tile = hardware_view(
             shape, global_shape if sharded else shape, shared_over_first_dim)
-        # Per-tile seeding needs whole tiles; the padding is computed and sliced off. (A
-        # shared row's view rows are the first dim's, whose every row reads the tile's row 0.)
-        view_rows = tiling.round_up(rows, tiling.SUBLANES if shared_row else seed_tile[0])
+        # Per-tile seeding needs whole tiles: the columns are padded to them (computed and sliced
+        # off); the last tile row may be cut, its blocks reaching past the view (their rows there
+        # drawn and dropped), so no copy pads the rows. A shared row's view rows are the first
+        # dim's, whose every row reads the tile's row 0, padded to whole sublanes.
+        view_rows = tiling.round_up(rows, tiling.SUBLANES) if shared_row else rows
         view_cols = tiling.round_up(cols, seed_tile[1])
         row_stride = 0 if shared_row else view_cols
         if sharded:

@@ -129,16 +129,20 @@ def view_2d(shape) -> tuple[int, int]:
 
 def hardware_tile(rows: int, cols: int) -> tuple[int, int]:
     """The tile the hardware PRNG is seeded per, over a ``(rows, cols)`` view: the widest of
-    1024, 512, 256, 128 lanes that divides the view's width in whole lanes, and as many rows
-    (a multiple of 8, up to :data:`HARDWARE_TILE_ELEMENTS` in all) as divide its height in
-    whole sublanes, so that padding the view to whole tiles adds no more than padding it to
-    whole vregs. A function of the view alone: the forward and backward kernels of one
-    tensor, and its shards, share it."""
+    1024, 512, 256, 128 lanes that divides the view's width in whole lanes, and every row in
+    whole 8-row sublanes where that is at most :data:`HARDWARE_TILE_ELEMENTS` in all, else the
+    most rows, a power of two, within it; the view's last tile row may be cut (its rows past
+    the view are drawn and not kept). A function of the view alone: the forward and backward
+    kernels of one tensor, and its shards, share it. Seeding costs as much for a small tile as
+    for a large one: ViT-B/16's ``(6304, 768)`` rows (6304 = 2**5 x 197) get (256, 256) tiles,
+    not the (32, 256) that divide them, which cost 3x the kernel's time."""
     width = round_up(cols, LANES)
     tile_cols = next(c for c in (1024, 512, 256, LANES) if width % c == 0)
     height = round_up(rows, SUBLANES)
+    if height * tile_cols <= HARDWARE_TILE_ELEMENTS:
+        return height, tile_cols
     tile_rows = SUBLANES
-    while tile_rows * 2 * tile_cols <= HARDWARE_TILE_ELEMENTS and height % (tile_rows * 2) == 0:
+    while tile_rows * 2 * tile_cols <= HARDWARE_TILE_ELEMENTS:
         tile_rows *= 2
     return tile_rows, tile_cols
 
@@ -159,7 +163,10 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
 
     Default: few large blocks in interpret mode; about 1 MiB per operand block on TPU
     (double-buffered in and out: 4 MiB of VMEM). ``seed_tile`` (the hardware PRNG's tile;
-    the view is then whole tiles) requires blocks made of whole tiles.
+    the view is then whole tiles of columns, and its last tile row may be cut) requires
+    blocks made of whole tiles, at most the view's rows rounded up to whole tiles: the last
+    block may reach past the view (Pallas reads its rows there as padding and drops their
+    writes).
 
     Raises:
         TypeError: ``blocks`` is not an :class:`ElementwiseBlocks`.
@@ -171,7 +178,8 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
             blocks = ElementwiseBlocks(round_up(blocks.rows, seed_tile[0]), round_up(blocks.cols, seed_tile[1]))
     elif not isinstance(blocks, ElementwiseBlocks):
         raise TypeError(f"blocks must be an ElementwiseBlocks or None, got {type(blocks).__name__}")
-    block_rows, block_cols = _mosaic_block((blocks.rows, blocks.cols), (rows, cols), "blocks")
+    full = (rows, cols) if seed_tile is None else (round_up(rows, seed_tile[0]), round_up(cols, seed_tile[1]))
+    block_rows, block_cols = _mosaic_block((blocks.rows, blocks.cols), full, "blocks")
     if seed_tile is not None and (block_rows % seed_tile[0] or block_cols % seed_tile[1]):
         raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {seed_tile} tiles for impl='hardware', "
                          f"the tile its PRNG is seeded per over this {rows}x{cols} view")
