@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -136,15 +137,34 @@ def step_outputs(model, batch, variant: str) -> list:
     return [loss, *(parameter.grad for parameter in model.parameters() if parameter.grad is not None)]
 
 
-def measure(model, batch, variant: str, generations) -> list:
+def graph_digest(hlo: str) -> str:
+    """The sha256 of a step's HLO without its metadata (names of the ops' Python sources): two
+    steps with one digest are one program (ViT's ``sdpa`` and ``"torch_pallas"`` attention both
+    run the flash kernels), which compiles to the same figures."""
+    return hashlib.sha256(re.sub(r", metadata=\{[^}]*\}", "", hlo).encode()).hexdigest()
+
+
+# Figures a record of the same graph gives another (not what names the row).
+_NAMING = ("model", "attention", "layers", "variant", "generation", "same_graph_as")
+
+
+def measure(model, batch, variant: str, generations, known=None) -> list:
+    """One record per generation; a graph in ``known`` (``{(digest, generation): record}``) takes
+    that record's figures, with ``same_graph_as`` naming it, instead of compiling again."""
     import torch_xla
 
     from torch_pallas import tpu_compile, tpu_schedule
 
     outputs = step_outputs(model, batch, variant)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    digest = graph_digest(hlo)
     records = []
     for generation in generations:
+        same = (known or {}).get((digest, generation))
+        if same is not None:
+            records.append({**{k: v for k, v in same.items() if k not in _NAMING}, "variant": variant,
+                            "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"})
+            continue
         with tpu_compile.compiler_dumps() as dumps:
             compiled = tpu_compile.compile_graph(outputs, generation)
         try:
@@ -157,7 +177,7 @@ def measure(model, batch, variant: str, generations) -> list:
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops,
             "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
-            "unestimated": unestimated,
+            "unestimated": unestimated, "hlo_sha256": digest,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]]})
         print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
@@ -173,6 +193,7 @@ def _key(record):
 
 def measure_all(models, attentions, variants, generations, layers) -> list:
     records = []
+    known = {(r["hlo_sha256"], r["generation"]): r for r in merged([]) if r.get("hlo_sha256")}
     for model_name in models:
         for attention in attentions:
             model, batch = build(model_name, attention, layers)
@@ -185,7 +206,9 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
             for variant in variants:
                 if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
                     continue  # its attention dropout is torch_pallas's whatever the variant
-                records += [{**base, **r} for r in measure(model, batch, variant, generations)]
+                measured = [{**base, **r} for r in measure(model, batch, variant, generations, known)]
+                known.update({(r["hlo_sha256"], r["generation"]): r for r in measured if "same_graph_as" not in r})
+                records += measured
                 save(records)  # a long run keeps what it measured if a later variant fails or is stopped
             del model, batch
     return records
@@ -254,6 +277,11 @@ def render(records: list) -> str:
                           for r in records if r.get("unestimated")})
     if unestimated:
         notes += "Not estimated (—): " + "; ".join(unestimated) + ".\n\n"
+    same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
+                   for r in records if r.get("same_graph_as")})
+    if same:
+        notes += ("The same program (one HLO, `graph_digest`), so the same figures, not compiled again: "
+                  + "; ".join(same) + ".\n\n")
     return notes + markdown_table(
         ["model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",
          "threefry / torch", "hardware / torch", "no dropout / torch", "kernels (threefry)"], rows)
