@@ -135,7 +135,7 @@ def hardware_tile(rows: int, cols: int) -> tuple[int, int]:
     the view are drawn and not kept). A function of the view alone: the forward and backward
     kernels of one tensor, and its shards, share it. Seeding costs as much for a small tile as
     for a large one: ViT-B/16's ``(6304, 768)`` rows (6304 = 2**5 x 197) get (256, 256) tiles,
-    not the (32, 256) that divide them, which cost 3x the kernel's time."""
+    not the (32, 256) that divide them, whose seeds dominated the kernel's schedule."""
     width = round_up(cols, LANES)
     tile_cols = next(c for c in (1024, 512, 256, LANES) if width % c == 0)
     height = round_up(rows, SUBLANES)
