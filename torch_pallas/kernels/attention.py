@@ -368,8 +368,8 @@ def _over_planes(body, static: _Static, has_bias: bool):
 
     def kernel(*refs):
         first = pl.program_id(0) * planes
+        per_plane = inputs + [planes > 1] * (len(refs) - len(inputs))
         for h in range(planes):
-            per_plane = inputs + [planes > 1] * (len(refs) - len(inputs))
             body(*[_PlaneRef(ref, h) if split else ref for ref, split in zip(refs, per_plane)], plane=first + h)
     return kernel
 
@@ -692,7 +692,7 @@ def _column(row_stat_ref):
 
 def _row_stat_spec(static: _Static, index_map):
     """The BlockSpec of a row statistic laid out ``(batch, q blocks, 1, q)``: one value per row,
-    each block a whole (1, q) array, which Mosaic takes for every ``q``."""
+    each plane's block a whole (1, q) array, which Mosaic takes for every ``q``."""
     return pl.BlockSpec((static.plane_dim, None, 1, static.blocks.q), index_map)
 
 
