@@ -271,7 +271,9 @@ def render(records: list) -> str:
         "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to torch's; "
         "`no dropout`: the model in eval mode. Attention `torch_pallas`: the model built with "
         "`attn_implementation=\"torch_pallas\"` (`register_attention()`: flash kernels, in-kernel dropout), its "
-        "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements.\n\n")
+        "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements. Rows come "
+        "from several runs (`--models`/`--variants`/`--generations` subsets), some side by side: compile-only "
+        "figures do not depend on the machine's load.\n\n")
     unestimated = sorted({f"{r['model']} {r['attention']} {r['variant']}: "
                           + re.sub(r" [(].*", "", r["unestimated"].split(":")[0])
                           for r in records if r.get("unestimated")})
