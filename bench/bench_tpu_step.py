@@ -191,9 +191,13 @@ def _key(record):
     return record["model"], record["attention"], record["variant"], record["generation"]
 
 
+def _graph_key(record):
+    return record["hlo_sha256"], record["generation"]
+
+
 def measure_all(models, attentions, variants, generations, layers) -> list:
     records = []
-    known = {(r["hlo_sha256"], r["generation"]): r for r in merged([]) if r.get("hlo_sha256")}
+    known = {_graph_key(r): r for r in merged([]) if r.get("hlo_sha256")}
     for model_name in models:
         for attention in attentions:
             model, batch = build(model_name, attention, layers)
@@ -207,7 +211,7 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
                 if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
                     continue  # its attention dropout is torch_pallas's whatever the variant
                 measured = [{**base, **r} for r in measure(model, batch, variant, generations, known)]
-                known.update({(r["hlo_sha256"], r["generation"]): r for r in measured if "same_graph_as" not in r})
+                known.update({_graph_key(r): r for r in measured if "same_graph_as" not in r})
                 records += measured
                 save(records)  # a long run keeps what it measured if a later variant fails or is stopped
             del model, batch

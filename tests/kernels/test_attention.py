@@ -221,6 +221,12 @@ def test_short_planes_share_a_grid_step():
     assert attention.resolve_blocks(None, bert, impl="threefry", interpret=False).planes == 1
 
 
+def assert_bit_equal(expected, got):
+    """``check``'s (output, gradients) of two runs, bit for bit."""
+    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+
+
 @pytest.mark.parametrize("operands, planes", [
     # a float mask per head, broadcast over the batch: a block of mask planes per step
     (((2, 4, 24, 16), (2, 4, 24, 16), jnp.float32, (4, 24, 24), {}), 4),
@@ -236,17 +242,13 @@ def test_planes_per_step_give_the_same_values_and_gradients(operands, planes):
     if bias_dtype is not None:
         bias = jnp.asarray(rng.standard_normal(bias_shape) > -1 if bias_dtype == jnp.bool_
                            else rng.standard_normal(bias_shape), bias_dtype)
-    results = [check(query_shape, key_shape, key_shape, bias=bias, dropout_p=0.3, **options,
-                     blocks=Blocks(24, 24, n), backward_blocks=Blocks(24, 24, n)) for n in (1, planes)]
-    for one, grouped in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
-        np.testing.assert_array_equal(np.asarray(one), np.asarray(grouped))
+    assert_bit_equal(*[check(query_shape, key_shape, key_shape, bias=bias, dropout_p=0.3, **options,
+                             blocks=Blocks(24, 24, n), backward_blocks=Blocks(24, 24, n)) for n in (1, planes)])
 
 
 def test_hardware_mask_is_the_same_for_any_planes_per_step(emulated_hardware_prng):
-    results = [check((1, 4, 40, 16), (1, 4, 40, 16), (1, 4, 40, 16), dropout_p=0.2, impl="hardware",
-                     blocks=Blocks(40, 40, n), backward_blocks=Blocks(40, 40, 2)) for n in (1, 4)]
-    for one, grouped in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
-        np.testing.assert_array_equal(np.asarray(one), np.asarray(grouped))
+    assert_bit_equal(*[check((1, 4, 40, 16), (1, 4, 40, 16), (1, 4, 40, 16), dropout_p=0.2, impl="hardware",
+                             blocks=Blocks(40, 40, n), backward_blocks=Blocks(40, 40, 2)) for n in (1, 4)])
 
 
 @pytest.mark.parametrize("shapes, planes", [

@@ -328,10 +328,19 @@ class _Static:
         """float32 VMEM scratch of ``shape`` per plane of the step."""
         return pltpu.VMEM(shape if self.plane_dim is None else (self.plane_dim, *shape), jnp.float32)
 
-    def grouped(self, layout):
-        """Whether an operand laid out by ``layout`` has a block of the step's planes (not one
-        shared plane)."""
+    def _blocked(self, layout):
         return self.plane_dim is not None and _grouping(layout, self.problem.batch, self.blocks.planes) == _BLOCKED
+
+    @functools.cached_property
+    def kv_blocked(self):
+        """Whether the key and value have a block of the step's planes (not one shared plane),
+        as the kernels' specs and their per-plane refs both read it."""
+        return self._blocked(self.problem.kv_layout)
+
+    @functools.cached_property
+    def bias_blocked(self):
+        """As :attr:`kv_blocked`, for the mask."""
+        return self._blocked(self.problem.bias_layout)
 
 
 class _PlaneRef:
@@ -362,9 +371,8 @@ def _over_planes(body, static: _Static, has_bias: bool):
     its plane of each block (a key, value or mask plane the step's planes share as it is), with
     ``plane`` the plane's flat batch index. Refs after (key data, query, key, value, bias) are
     the step's outputs and scratch, all per plane."""
-    planes, problem = static.blocks.planes, static.problem
-    kv = static.grouped(problem.kv_layout)
-    inputs = [False, planes > 1, kv, kv] + ([static.grouped(problem.bias_layout)] if has_bias else [])
+    planes = static.blocks.planes
+    inputs = [False, planes > 1, static.kv_blocked, static.kv_blocked] + ([static.bias_blocked] if has_bias else [])
 
     def kernel(*refs):
         first = pl.program_id(0) * planes
@@ -573,21 +581,21 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
             return jnp.maximum(q_index, first)
         return q_index
 
-    def operand_plane(layout):
+    def operand_plane(layout, blocked):
         """The leading block dim and the block index of an operand's planes for grid step ``b``."""
-        if static.grouped(layout):
+        if blocked:
             return static.plane_dim, lambda b: layout.index(problem.batch, b * blocks.planes) // blocks.planes
         return None, lambda b: layout.index(problem.batch, b * blocks.planes)
 
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     q_spec = pl.BlockSpec((static.plane_dim, blocks.q, problem.E), ordered(lambda b, i, j: (b, q_block(i, j), 0)))
-    kv_dim, kv_plane = operand_plane(problem.kv_layout)
+    kv_dim, kv_plane = operand_plane(problem.kv_layout, static.kv_blocked)
     k_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.E), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
     v_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.Ev), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
     specs = [smem, q_spec, k_spec, v_spec]
     if has_bias:
         rows = blocks.q if problem.bias_rows != 1 else 1
-        bias_dim, bias_plane = operand_plane(problem.bias_layout)
+        bias_dim, bias_plane = operand_plane(problem.bias_layout, static.bias_blocked)
         specs.append(pl.BlockSpec(
             (bias_dim, rows, blocks.kv),
             ordered(lambda b, i, j: (bias_plane(b), q_block(i, j) if rows != 1 else 0, kv_block(i, j)))))
@@ -605,8 +613,8 @@ def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret
                    max_planes=MAX_PLANES):
     blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward, max_planes=max_planes)
     global_batch = None if global_shape is None else tuple(global_shape[:-2])
-    planes = problem.size if global_batch is None else math.prod(global_batch)
-    wide = impl == prng.THREEFRY and planes * problem.L * problem.S > 2**32
+    total_planes = problem.size if global_batch is None else math.prod(global_batch)
+    wide = impl == prng.THREEFRY and total_planes * problem.L * problem.S > 2**32
     return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide, global_batch)
 
 
