@@ -145,3 +145,13 @@ def test_hardware_impl_is_accepted_when_lowering_for_tpu_and_compiles():
         y = torch_pallas.dropout(x, 0.5, seed=1, impl="hardware")
     assert "tpu_custom_call" in torch_xla._XLAC._get_xla_tensors_hlo([y])
     assert tpu_compile.compile_graph([y], "v5e").peak_bytes > 0
+
+
+def test_compile_graph_dumps_the_buffer_assignment_where_asked(tmp_path):
+    x = torch.ones(256, 1024, device=torch_xla.device())
+    with tpu_compile.lowering_for_tpu():
+        y = torch_pallas.dropout(x, 0.5, seed=1)
+    tpu_compile.compile_graph([y], "v5e", dump_to=tmp_path)
+    [assignment] = tmp_path.glob("*after_optimizations-buffer-assignment.txt")
+    # The kernel's output, as the compiler placed it: its shape with the layout's tiles.
+    assert re.search(r"f32\[256,1024\]\{1,0:T\(8,128\)", assignment.read_text())

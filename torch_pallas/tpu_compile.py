@@ -347,7 +347,8 @@ def analyze_for_tpu(function, *args: jax.ShapeDtypeStruct, generation: str, esti
     return _compiled(compile_program, generation, estimate)
 
 
-def compile_graph(tensors: Sequence, generation: str, *, estimate: bool = False) -> GraphCompilation:
+def compile_graph(tensors: Sequence, generation: str, *, estimate: bool = False,
+                  dump_to: str | None = None) -> GraphCompilation:
     """Compiles the lazy XLA graph that computes ``tensors`` (XLA tensors, not yet
     computed) for one TPU of ``generation`` with libtpu, on any machine; nothing runs.
 
@@ -362,6 +363,10 @@ def compile_graph(tensors: Sequence, generation: str, *, estimate: bool = False)
         generation: a key of :data:`GENERATIONS`.
         estimate: whether to estimate the graph's time (``GraphCompilation.estimate``; needs
             libtpu's dump: :func:`enable_estimates`, called here if libtpu has not initialised yet).
+        dump_to: a directory for XLA's dumps of this compile (``debug_options.xla_dump_to``, as
+            text): the HLO before and after optimisation and the buffer assignment
+            (``*after_optimizations-buffer-assignment.txt``: each buffer's size, layout, offset
+            and live range, what fills HBM at the peak).
 
     Returns:
         :class:`GraphCompilation`: compile time, memory and cost analysis (and ``estimate``).
@@ -397,6 +402,9 @@ def compile_graph(tensors: Sequence, generation: str, *, estimate: bool = False)
     # jax 0.7.1's private converter (the jax pin keeps it): libtpu's client takes StableHLO.
     module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
     options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    if dump_to is not None:
+        debug = options.executable_build_options.debug_options
+        debug.xla_dump_to, debug.xla_dump_hlo_as_text = os.fspath(dump_to), True
 
     def compile_program():
         with _reading_dumps():

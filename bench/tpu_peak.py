@@ -1,0 +1,153 @@
+"""What a training step's HBM holds at its peak, as libtpu's buffer assignment plans it.
+
+    .venv/xla/bin/python bench/tpu_peak.py --model vit --attention eager \\
+        --variants "torch_pallas hardware" torch --generation v6e
+
+Compiles one step of ``bench_tpu_step`` (same models, batch and variants) for one generation with
+XLA's dumps (``tpu_compile.compile_graph(..., dump_to=...)``), reads the compile's
+``after_optimizations-buffer-assignment.txt`` and reports, for the block of temporaries in HBM
+(the largest ``preallocated-temp`` allocation without a memory color), its size, the most bytes
+live in it at once and the largest buffers live then, each with its shape and layout (a layout's
+tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per row). Written to
+``results/tpu_peak.{json,md}``, rows of earlier runs of other steps kept.
+
+Read the block's live bytes, not the dump's "Stack trace breakdown for peak usage": that counts
+parameters and the sources of asynchronous copies too, so two steps' figures there do not compare
+with their blocks of temporaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, markdown_table, write  # noqa: E402
+
+MIB = 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    name: str
+    bytes: int
+    offset: int
+    shape: str
+    live: tuple[int, int]  # first and last position in the program's instruction sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class HeapPeak:
+    heap_bytes: int  # the block of temporaries
+    live_bytes: int  # the most bytes live in it at once
+    position: int  # where in the instruction sequence
+    live: tuple[Buffer, ...]  # the buffers live there, largest first
+
+
+def heap_peak(buffer_assignment: str) -> HeapPeak:
+    """The peak of the block of temporaries in an XLA ``*after_optimizations-buffer-assignment.txt``."""
+    allocations, current = {}, None
+    for line in buffer_assignment.splitlines():
+        found = re.match(r"allocation \d+: size (\d+)(.*)", line)
+        if found:
+            current = (int(found[1]), found[2], len(allocations))
+            allocations[current] = []
+            continue
+        if line.startswith("Total bytes used"):
+            current = None
+        found = re.match(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)", line)
+        if found and current is not None:
+            # The live ranges name a value without an index as "name{}".
+            name = found[1] if "{" in found[1] else found[1] + "{}"
+            allocations[current].append((name, int(found[2]), int(found[3]), found[4]))
+    ranges = dict((name, (int(first), int(last))) for name, first, last in
+                  re.findall(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", buffer_assignment, re.MULTILINE))
+    heap = max((a for a in allocations if "preallocated-temp" in a[1] and "color" not in a[1]), key=lambda a: a[0])
+    buffers = [Buffer(name, size, offset, shape, ranges[name]) for name, size, offset, shape in allocations[heap]
+               if name in ranges]
+    length = max(buffer.live[1] for buffer in buffers) + 1
+    live_bytes = [0] * length
+    for buffer in buffers:
+        for position in range(buffer.live[0], buffer.live[1] + 1):
+            live_bytes[position] += buffer.bytes
+    position = max(range(length), key=live_bytes.__getitem__)
+    live = sorted((b for b in buffers if b.live[0] <= position <= b.live[1]), key=lambda b: (-b.bytes, b.name))
+    return HeapPeak(heap[0], live_bytes[position], position, tuple(live))
+
+
+def measure(model, batch, variant: str, generation: str, top: int) -> dict:
+    import bench_tpu_step
+
+    from torch_pallas import tpu_compile
+
+    outputs = bench_tpu_step.step_outputs(model, batch, variant)
+    with tempfile.TemporaryDirectory(prefix="tpu_peak_") as directory:
+        compiled = tpu_compile.compile_graph(outputs, generation, dump_to=directory)
+        [path] = Path(directory).glob("*after_optimizations-buffer-assignment.txt")
+        peak = heap_peak(path.read_text())
+    del outputs
+    model.zero_grad(set_to_none=True)
+    return {"variant": variant, "generation": generation, "peak_bytes": compiled.peak_bytes,
+            "heap_bytes": peak.heap_bytes, "live_bytes": peak.live_bytes,
+            "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]]}
+
+
+def render(records: list) -> str:
+    notes = ("One training step of `bench_tpu_step` (its models, batch and variants, 2 layers) compiled for one "
+             "chip by libtpu's compile-only client with XLA's dumps (`compile_graph(..., dump_to=...)`); from its "
+             "buffer assignment: the block of temporaries in HBM (MiB), the most bytes live in it at once, and "
+             "the largest buffers live then with their layouts (`T(8,128)`: 128 lanes per row; an f32 "
+             "`[...,197,64]` array takes twice its bytes). Compiler plans, not TPU measurements. Each model and "
+             "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
+             "do not depend on the machine's load.\n\n")
+    table = markdown_table(
+        ["model", "attention", "variant", "generation", "peak HBM (MiB)", "temporaries (MiB)", "live at their peak (MiB)"],
+        [[r["model"], r["attention"], r["variant"], r["generation"], f"{r['peak_bytes'] / MIB:.1f}",
+          f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}"] for r in records])
+    for r in records:
+        table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']}: largest buffers live at "
+                  "the peak\n\n" + markdown_table(["MiB", "shape and layout", "buffer"],
+                                                  [[f"{size / MIB:.2f}", f"`{shape}`", name]
+                                                   for size, shape, name in r["largest_live"]]))
+    return notes + table
+
+
+def _key(record):
+    return record["model"], record["attention"], record["variant"], record["generation"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--attention", required=True)
+    parser.add_argument("--variants", nargs="+", required=True)
+    parser.add_argument("--generation", required=True)
+    parser.add_argument("--top", type=int, default=16)
+    options = parser.parse_args()
+    import bench_tpu_step
+
+    model, batch = bench_tpu_step.build(options.model, options.attention, bench_tpu_step.LAYERS)
+    if model is None:
+        raise SystemExit(batch)
+    records = [{"model": options.model, "attention": options.attention,
+                **measure(model, batch, variant, options.generation, options.top)} for variant in options.variants]
+    path = RESULTS / "tpu_peak.json"
+    earlier = json.loads(path.read_text())["results"] if path.exists() else []
+    redone = {_key(r) for r in records}
+    records = [r for r in earlier if _key(r) not in redone] + records
+    table = render(records)
+    write("tpu_peak", {"mode": "compile only", "results": records}, table, None)
+    print(table)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_pallas  # noqa: F401  (torch_xla before JAX)
+
+    main()
