@@ -9,8 +9,10 @@ sequences: ViT's 197 patches, BERT's 512 tokens) the first kernel also gives the
 gradient, which is then complete per block of rows, so the probabilities and the mask are
 computed once in the backward pass instead of twice. Where a plane is smaller than a block
 (ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
-after the other, so the step's fixed cost is shared. The dropout mask is regenerated in every
-kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
+after the other, so the step's fixed cost is shared. Key and value planes are read transposed,
+``(E, S)``, where that takes fewer bytes in HBM (:func:`lanes_transposed`: head dims under 128
+lanes). The dropout mask is regenerated in every kernel from the 8-byte key, per element of
+the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
   probability when ``jax.random.bernoulli(key, 1 - dropout_p, (*batch, L, S))`` is True
@@ -53,7 +55,6 @@ from torch_pallas.kernels import arguments, compat, prng, tiling
 # (_row_stat_spec): in HBM a (rows, ROW_STAT_LANES) operand is 128 times the bytes, and XLA kept
 # those broadcasts alive with the backward pass's other operands at a step's peak.
 ROW_STAT_LANES = tiling.LANES
-TRANSPOSE_RHS = (((1,), (1,)), ((), ()))
 _HARDWARE_TILE_MAX_COLS = 512
 _HARDWARE_TILE_MAX_ROWS = 256
 # Planes per grid step: each is its own unrolled block, so more of them lengthen the kernel's code.
@@ -342,6 +343,53 @@ class _Static:
         """As :attr:`kv_blocked`, for the mask."""
         return self._blocked(self.problem.bias_layout)
 
+    @property
+    def S_padded(self):
+        return tiling.round_up(self.problem.S, self.blocks.kv)
+
+    @functools.cached_property
+    def key_transposed(self):
+        """Whether the kernels read the key as ``(E, S)`` planes (:func:`lanes_transposed`)."""
+        return lanes_transposed(self.S_padded, self.problem.E)
+
+    @functools.cached_property
+    def value_transposed(self):
+        """As :attr:`key_transposed`, for the value's ``(Ev, S)``."""
+        return lanes_transposed(self.S_padded, self.problem.Ev)
+
+
+def lanes_transposed(rows: int, cols: int) -> bool:
+    """Whether ``(rows, cols)`` planes take fewer bytes in HBM as ``(cols, rows)``. TPU arrays
+    are stored in (8, 128) tiles, so an operand whose last dim is a head dim of 64 takes twice
+    its bytes, and XLA keeps the kernels' copies of the key and value from the forward pass to
+    the backward (ViT's ``[32, 12, 197, 64]``: 37.5 MiB each, 24 MiB as ``(64, 197)`` planes;
+    GPT-2's 1024 keys: half). A whole tile either way stays as it is."""
+    def tiled(r, c):
+        return tiling.round_up(r, tiling.SUBLANES) * tiling.round_up(c, tiling.LANES)
+    return tiled(cols, rows) < tiled(rows, cols)
+
+
+def planes_as_read(operand, transposed: bool):
+    """``operand``'s ``(batch, rows, cols)`` planes as a kernel reads them: transposed where
+    ``transposed`` (:func:`lanes_transposed`)."""
+    return jnp.swapaxes(operand, 1, 2) if transposed else operand
+
+
+def plane_spec(plane_dim, rows: int, cols: int, transposed: bool, index_map):
+    """The BlockSpec of ``(rows, cols)`` blocks of an operand's planes, read as
+    :func:`planes_as_read` gives them; ``index_map(*grid)`` is (plane, row block)."""
+    if transposed:
+        def transposed_map(*grid):
+            plane, row_block = index_map(*grid)
+            return plane, 0, row_block
+        return pl.BlockSpec((plane_dim, cols, rows), transposed_map)
+    return pl.BlockSpec((plane_dim, rows, cols), lambda *grid: (*index_map(*grid), 0))
+
+
+def matmul(a, b, b_transposed: bool):
+    """``a @ b``, float32, with ``b`` given as ``b.T`` where ``b_transposed``."""
+    return lax.dot_general(a, b, (((1,), (1 if b_transposed else 0,)), ((), ())), preferred_element_type=jnp.float32)
+
 
 class _PlaneRef:
     """Plane ``h`` of a ref whose leading dim is the grid step's planes, read and written by
@@ -386,7 +434,8 @@ def _score_block(static: _Static, q, k, bias_ref, q_index, kv_index):
     """The (q, kv) block of scaled scores, float32, ``-inf`` where masked out (causal, padded
     keys, the bias's ``-inf``)."""
     problem, blocks = static.problem, static.blocks
-    s = lax.dot_general(q, k, TRANSPOSE_RHS, preferred_element_type=jnp.float32) * np.float32(static.scale)
+    # q @ k.T, with the key given as its transpose (the kernels' k.T) where it is not.
+    s = matmul(q, k, not static.key_transposed) * np.float32(static.scale)
     if bias_ref is not None:
         s = s + bias_ref[...].astype(jnp.float32)
     shape = (blocks.q, blocks.kv)
@@ -490,7 +539,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
             p = jnp.where(kept_weights(static, key_ref, b, q_index, kv_index), p, np.float32(0.0))
         v = v_ref[...]
         acc_ref[...] = (_lanes(correction, static.problem.Ev) * acc_ref[...]
-                        + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+                        + matmul(p.astype(v.dtype), v, static.value_transposed))
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
     def _():
@@ -531,12 +580,15 @@ def flatten(array):
     return array.reshape(-1, *array.shape[-2:])
 
 
-def _kernel_operands(query, key, value, bias, problem: _Problem, L_padded: int, S_padded: int):
+def _kernel_operands(query, key, value, bias, static: _Static, L_padded: int):
     """query (broadcast to the output's batch), key, value and the bias as the kernels read
-    them: flat batch, lengths padded to whole blocks; the bias with a boolean mask as 0 /
+    them: flat batch, lengths padded to whole blocks, key and value planes transposed where
+    :attr:`_Static.key_transposed` / ``value_transposed``; the bias with a boolean mask as 0 /
     -inf in query's dtype, its key dim broadcast (padded keys are masked in the kernels)."""
+    problem, S_padded = static.problem, static.S_padded
     q = padded(flatten(jnp.broadcast_to(query, (*problem.batch, problem.L, problem.E))), 1, L_padded)
-    k, v = (padded(flatten(operand), 1, S_padded) for operand in (key, value))
+    k = planes_as_read(padded(flatten(key), 1, S_padded), static.key_transposed)
+    v = planes_as_read(padded(flatten(value), 1, S_padded), static.value_transposed)
     if bias is not None:
         if bias.dtype == jnp.bool_:
             bias = jnp.where(bias, jnp.zeros((), query.dtype), jnp.full((), -jnp.inf, query.dtype))
@@ -590,9 +642,9 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     q_spec = pl.BlockSpec((static.plane_dim, blocks.q, problem.E), ordered(lambda b, i, j: (b, q_block(i, j), 0)))
     kv_dim, kv_plane = operand_plane(problem.kv_layout, static.kv_blocked)
-    k_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.E), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
-    v_spec = pl.BlockSpec((kv_dim, blocks.kv, problem.Ev), ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j), 0)))
-    specs = [smem, q_spec, k_spec, v_spec]
+    kv_index = ordered(lambda b, i, j: (kv_plane(b), kv_block(i, j)))
+    specs = [smem, q_spec, plane_spec(kv_dim, blocks.kv, problem.E, static.key_transposed, kv_index),
+             plane_spec(kv_dim, blocks.kv, problem.Ev, static.value_transposed, kv_index)]
     if has_bias:
         rows = blocks.q if problem.bias_rows != 1 else 1
         bias_dim, bias_plane = operand_plane(problem.bias_layout, static.bias_blocked)
@@ -665,7 +717,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
     L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
-    q, k, v, bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
+    q, k, v, bias = _kernel_operands(query, key, value, bias, static, L_padded)
     specs, _, _ = _specs(static, bias is not None, kv_major=False)
     grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
@@ -734,7 +786,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         v = v_ref[...]
         # grad_out arrives multiplied by 1 / (1 - p) (attention_backward): the kept weights'
         # factor is in it, so a dropped weight is a select.
-        grad_p = lax.dot_general(grad_out, v, TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        grad_p = matmul(grad_out, v, not static.value_transposed)
         dropped = p
         if static.dropout_p:
             kept = kept_weights(static, key_ref, b, q_index, kv_index)
@@ -744,7 +796,7 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
         grad_s = p * (grad_p - _column(delta_ref))
         grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
         if with_query:
-            grad_q_ref[...] = (jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
+            grad_q_ref[...] = (matmul(grad_s.astype(k.dtype), k, static.key_transposed)
                                * np.float32(static.scale)).astype(grad_q_ref.dtype)
             if bias_grad:
                 grad_bias_ref[...] = grad_s
@@ -772,13 +824,13 @@ def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias
         k = k_ref[...]
         s = _score_block(static, q_ref[...], k, bias_ref, q_index, kv_index)
         p = _probabilities(s, _column(lse_ref))
-        grad_p = lax.dot_general(grad_out_ref[...], v_ref[...], TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+        grad_p = matmul(grad_out_ref[...], v_ref[...], not static.value_transposed)
         if static.dropout_p:
             grad_p = jnp.where(kept_weights(static, key_ref, b, q_index, kv_index), grad_p, np.float32(0.0))
         grad_s = p * (grad_p - _column(delta_ref))
         if bias_grad:
             grad_bias_ref[...] = grad_s
-        grad_q_acc[...] += jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        grad_q_acc[...] += matmul(grad_s.astype(k.dtype), k, static.key_transposed)
 
     if bias_grad:
         @pl.when(jnp.logical_not(runs))
@@ -859,7 +911,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     def per_row(array):
         return padded(array.reshape(*rows, -1), 1, L_padded)
 
-    q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, problem, L_padded, S_padded)
+    q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, static, L_padded)
     grad_out = per_row(grad_out).astype(jnp.float32)
     delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1)
     # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).

@@ -31,7 +31,6 @@ import functools
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -98,7 +97,7 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
     # (Scores are never padded along S: with softmax=True a block holds whole rows.)
     w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
-    v = attention.padded(attention.flatten(value), 1, S_padded)
+    v = attention.planes_as_read(attention.padded(attention.flatten(value), 1, S_padded), static.value_transposed)
     return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
 
 
@@ -127,7 +126,7 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax)
     w = w_ref[...]
     keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
     dropped = _dropped(static, keep, _softmax(w, w.dtype) if softmax else w)
-    acc_ref[...] += jnp.dot(dropped.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[...] += attention.matmul(dropped.astype(v.dtype), v, static.value_transposed)
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
     def _():
@@ -168,7 +167,7 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
         grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
-                  pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, i, j: (b, j, 0))],
+                  attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, i, j: (b, j))],
         out_specs=pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, i, j: (b, i, 0)),
         out_shape=jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype),
         scratch_shapes=[pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
@@ -189,7 +188,7 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
     keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
     keep_probability = np.float32(1.0 - static.dropout_p)
     # The gradient of the dropped weights, then dropout's backward pass on it: the same mask.
-    grad_dropped = lax.dot_general(grad_out, v_ref[...], attention.TRANSPOSE_RHS, preferred_element_type=jnp.float32)
+    grad_dropped = attention.matmul(grad_out, v_ref[...], not static.value_transposed)
     grad_w = kept_values(keep, grad_dropped, keep_probability)
     w = w_ref[...]
     if softmax:
@@ -231,7 +230,7 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
         grid=(problem.size, S_padded // blocks.kv, L_padded // blocks.q),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
-                  pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0)),
+                  attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, j, i: (b, j)),
                   pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, j, i: (b, i, 0))],
         out_specs=[pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
                    pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0))],
