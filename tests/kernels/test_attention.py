@@ -246,6 +246,16 @@ def test_planes_per_step_give_the_same_values_and_gradients(operands, planes):
                              blocks=Blocks(24, 24, n), backward_blocks=Blocks(24, 24, n)) for n in (1, planes)])
 
 
+def test_key_and_value_are_read_transposed_where_that_takes_fewer_bytes_with_the_same_results(monkeypatch):
+    # (rows, cols) planes in HBM's (8, 128) tiles: a head dim of 64 takes 128 lanes per row.
+    assert attention.lanes_transposed(197, 64) and attention.lanes_transposed(1024, 64)
+    assert not attention.lanes_transposed(197, 128) and not attention.lanes_transposed(1024, 256)
+    shapes = ((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))  # key (40, 16) and value (40, 8): both transposed
+    transposed = check(*shapes, dropout_p=0.3, causal=True)
+    monkeypatch.setattr(attention, "lanes_transposed", lambda rows, cols: False)
+    assert_bit_equal(transposed, check(*shapes, dropout_p=0.3, causal=True))
+
+
 def test_hardware_mask_is_the_same_for_any_planes_per_step(emulated_hardware_prng):
     assert_bit_equal(*[check((1, 4, 40, 16), (1, 4, 40, 16), (1, 4, 40, 16), dropout_p=0.2, impl="hardware",
                              blocks=Blocks(40, 40, n), backward_blocks=Blocks(40, 40, 2)) for n in (1, 4)])

@@ -11,7 +11,7 @@ from jax._src import config as jax_config
 
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import key_data
-from torch_pallas.kernels import dropout, dropout_matmul
+from torch_pallas.kernels import attention, dropout, dropout_matmul
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
@@ -139,3 +139,18 @@ def test_softmax_first_needs_whole_rows_that_fit():
     with pytest.raises(ValueError, match="rows of at most 16384 scores"):
         dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((1, 8, 16385)), jnp.zeros((1, 16385, 8)),
                                               p=0.1, interpret=True, softmax=True)
+
+
+def test_the_value_read_transposed_gives_the_same_results(monkeypatch):
+    weights, value, grad_out = _case((3, 24, 40), 8, jnp.float32)  # (40, 8) value planes: read as (8, 40)
+    assert attention.lanes_transposed(40, 8)
+
+    def run():
+        out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.25, interpret=True)
+        return out, dropout_matmul.dropout_matmul_backward(jnp.asarray(KEY), weights, value, grad_out, p=0.25,
+                                                           interpret=True)
+
+    transposed = run()
+    monkeypatch.setattr(attention, "lanes_transposed", lambda rows, cols: False)
+    for want, have in zip(jax.tree.leaves(transposed), jax.tree.leaves(run()), strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
