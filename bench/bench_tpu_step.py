@@ -39,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, markdown_table, write  # noqa: E402
+from common import RESULTS, commit, markdown_table, write  # noqa: E402
 
 P = 0.1
 VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch", "no dropout")
@@ -49,6 +49,9 @@ ATTENTIONS = ("sdpa", "eager", "torch_pallas")
 REFERENCE_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "torch_pallas": "eager"}
 # Released sizes: GPT-2 small 12 layers, BERT-base 12, ViT-B/16 12, T5-base 12 + 12.
 LAYERS = 2
+# Rows measured before this commit (they carry no "commit") ran kernels that read key and value as
+# (S, E) planes; the table marks their torch_pallas figures until they are measured again.
+KEY_VALUE_TRANSPOSED = "10ca643"
 
 
 def _gpt2(transformers, torch, device, attention, layers):
@@ -177,7 +180,7 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops,
             "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
-            "unestimated": unestimated, "hlo_sha256": digest,
+            "unestimated": unestimated, "hlo_sha256": digest, "commit": commit(),
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]]})
         print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
@@ -258,7 +261,8 @@ def render(records: list) -> str:
                                   variant, generation))
                     cells.append("—" if row is None or "unavailable" in row else
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
-                                 f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}")
+                                 f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
+                                 + ("" if "commit" in row or variant == "no dropout" else " †"))
                 cells.append(by.get((model_name, attention, "torch_pallas threefry", generation), {})
                              .get("tpu_custom_calls", "—"))
                 rows.append(cells)
@@ -283,6 +287,9 @@ def render(records: list) -> str:
                           for r in records if r.get("unestimated")})
     if unestimated:
         notes += "Not estimated (—): " + "; ".join(unestimated) + ".\n\n"
+    if any("commit" not in r for r in records if r.get("variant", "").startswith("torch_pallas") and "peak_bytes" in r):
+        notes += (f"†: measured before {KEY_VALUE_TRANSPOSED}, with kernels that read key and value as (S, E) planes "
+                  "(a head dim of 64 in 128-lane rows), not measured again since.\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:

@@ -158,6 +158,15 @@ def time_round_robin(contenders: dict, *, warmup: int = 2, repeats: int = 10) ->
     return timings
 
 
+def commit() -> str:
+    """The checkout's commit, short, or "" outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
 def machine() -> dict:
     import jax
     import torch
@@ -167,15 +176,10 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
         "pjrt_device": os.environ.get("PJRT_DEVICE"), "torch": torch.__version__,
-        "torch_xla": torch_xla.__version__, "jax": jax.__version__, "commit": commit,
+        "torch_xla": torch_xla.__version__, "jax": jax.__version__, "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "gpu": "not measured: no accelerator was lent to the session that produced these results",
         "allocator": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "default",

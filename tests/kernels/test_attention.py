@@ -246,11 +246,26 @@ def test_planes_per_step_give_the_same_values_and_gradients(operands, planes):
                              blocks=Blocks(24, 24, n), backward_blocks=Blocks(24, 24, n)) for n in (1, planes)])
 
 
-def test_key_and_value_are_read_transposed_where_that_takes_fewer_bytes_with_the_same_results(monkeypatch):
+def _static(query_shape, key_shape, blocks, interpret=False):
+    problem = attention.resolve_problem(query_shape, key_shape, key_shape)
+    return attention.resolve_static(problem, blocks, dropout_p=0.1, impl="threefry", causal=False, scale=1.0,
+                                    interpret=interpret, backward=False, global_shape=None)
+
+
+def test_key_and_value_are_read_transposed_where_one_block_holds_every_key_and_that_takes_fewer_bytes():
     # (rows, cols) planes in HBM's (8, 128) tiles: a head dim of 64 takes 128 lanes per row.
     assert attention.lanes_transposed(197, 64) and attention.lanes_transposed(1024, 64)
     assert not attention.lanes_transposed(197, 128) and not attention.lanes_transposed(1024, 256)
-    shapes = ((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))  # key (40, 16) and value (40, 8): both transposed
+    vit, bert = _static((384, 197, 64), (384, 197, 64), None), _static((96, 512, 64), (96, 512, 64), None)
+    assert vit.key_transposed and vit.value_transposed and bert.key_transposed and bert.value_transposed
+    gpt2 = _static((96, 1024, 64), (96, 1024, 64), None)  # two blocks of keys
+    assert gpt2.blocks.kv < 1024 and not gpt2.key_transposed and not gpt2.value_transposed
+    assert not _static((24, 197, 128), (24, 197, 128), None).key_transposed
+
+
+def test_key_and_value_read_transposed_give_the_same_values_and_gradients(monkeypatch):
+    shapes = ((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))  # key (40, 16) and value (40, 8) planes
+    assert _static(shapes[0], shapes[1], None, interpret=True).key_transposed
     transposed = check(*shapes, dropout_p=0.3, causal=True)
     monkeypatch.setattr(attention, "lanes_transposed", lambda rows, cols: False)
     assert_bit_equal(transposed, check(*shapes, dropout_p=0.3, causal=True))

@@ -143,7 +143,9 @@ def test_softmax_first_needs_whole_rows_that_fit():
 
 def test_the_value_read_transposed_gives_the_same_results(monkeypatch):
     weights, value, grad_out = _case((3, 24, 40), 8, jnp.float32)  # (40, 8) value planes: read as (8, 40)
-    assert attention.lanes_transposed(40, 8)
+    problem = attention.weights_problem((3,), 24, 40, 8)
+    assert attention.resolve_static(problem, None, dropout_p=0.25, impl="threefry", causal=False, scale=1.0,
+                                    interpret=True, backward=False, global_shape=None).value_transposed
 
     def run():
         out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.25, interpret=True)

@@ -9,9 +9,9 @@ sequences: ViT's 197 patches, BERT's 512 tokens) the first kernel also gives the
 gradient, which is then complete per block of rows, so the probabilities and the mask are
 computed once in the backward pass instead of twice. Where a plane is smaller than a block
 (ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
-after the other, so the step's fixed cost is shared. Key and value planes are read transposed,
-``(E, S)``, where that takes fewer bytes in HBM (:func:`lanes_transposed`: head dims under 128
-lanes). The dropout mask is regenerated in every kernel from the 8-byte key, per element of
+after the other, so the step's fixed cost is shared. Where one block holds every key, key and
+value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
+(:func:`lanes_transposed`: head dims under 128 lanes). The dropout mask is regenerated in every kernel from the 8-byte key, per element of
 the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
@@ -349,13 +349,16 @@ class _Static:
 
     @functools.cached_property
     def key_transposed(self):
-        """Whether the kernels read the key as ``(E, S)`` planes (:func:`lanes_transposed`)."""
-        return lanes_transposed(self.S_padded, self.problem.E)
+        """Whether the kernels read the key as ``(E, S)`` planes: where one block holds every
+        key and that takes fewer bytes (:func:`lanes_transposed`). Over several key blocks
+        libtpu's schedule of the kernels is longer with ``(E, kv)`` blocks than ``(kv, E)``
+        (GPT-2's 1024 keys in blocks of 512), shorter with one (BERT's 512, ViT's 197)."""
+        return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, self.problem.E)
 
     @functools.cached_property
     def value_transposed(self):
         """As :attr:`key_transposed`, for the value's ``(Ev, S)``."""
-        return lanes_transposed(self.S_padded, self.problem.Ev)
+        return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, self.problem.Ev)
 
 
 def lanes_transposed(rows: int, cols: int) -> bool:
