@@ -263,12 +263,16 @@ def test_key_and_value_are_read_transposed_where_one_block_holds_every_key_and_t
     assert not _static((24, 197, 128), (24, 197, 128), None).key_transposed
 
 
-def test_key_and_value_read_transposed_give_the_same_values_and_gradients(monkeypatch):
+def test_key_and_value_read_transposed_give_the_same_values_and_gradients_to_rounding(monkeypatch):
     shapes = ((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))  # key (40, 16) and value (40, 8) planes
     assert _static(shapes[0], shapes[1], None, interpret=True).key_transposed
     transposed = check(*shapes, dropout_p=0.3, causal=True)
     monkeypatch.setattr(attention, "lanes_transposed", lambda rows, cols: False)
-    assert_bit_equal(transposed, check(*shapes, dropout_p=0.3, causal=True))
+    # The same mask and products; XLA's CPU dot may sum a transposed operand in another order
+    # (jax 0.10: last-bit differences), so to float32 rounding.
+    for want, have in zip(jax.tree.leaves(transposed), jax.tree.leaves(check(*shapes, dropout_p=0.3, causal=True)),
+                          strict=True):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_hardware_mask_is_the_same_for_any_planes_per_step(emulated_hardware_prng):

@@ -141,7 +141,7 @@ def test_softmax_first_needs_whole_rows_that_fit():
                                               p=0.1, interpret=True, softmax=True)
 
 
-def test_the_value_read_transposed_gives_the_same_results(monkeypatch):
+def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatch):
     weights, value, grad_out = _case((3, 24, 40), 8, jnp.float32)  # (40, 8) value planes: read as (8, 40)
     problem = attention.weights_problem((3,), 24, 40, 8)
     assert attention.resolve_static(problem, None, dropout_p=0.25, impl="threefry", causal=False, scale=1.0,
@@ -155,4 +155,5 @@ def test_the_value_read_transposed_gives_the_same_results(monkeypatch):
     transposed = run()
     monkeypatch.setattr(attention, "lanes_transposed", lambda rows, cols: False)
     for want, have in zip(jax.tree.leaves(transposed), jax.tree.leaves(run()), strict=True):
-        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+        # XLA's CPU dot may sum a transposed operand in another order (jax 0.10: last bits).
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-5, atol=1e-5)
