@@ -107,7 +107,8 @@ def render(records: list) -> str:
              "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
              "do not depend on the machine's load.\n\n")
     table = markdown_table(
-        ["model", "attention", "variant", "generation", "peak HBM (MiB)", "temporaries (MiB)", "live at their peak (MiB)"],
+        ["model", "attention", "variant", "generation", "peak HBM (MiB)", "temporaries (MiB)",
+         "live at their peak (MiB)"],
         [[r["model"], r["attention"], r["variant"], r["generation"], f"{r['peak_bytes'] / MIB:.1f}",
           f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}"] for r in records])
     for r in records:

@@ -11,8 +11,8 @@ computed once in the backward pass instead of twice. Where a plane is smaller th
 (ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
 after the other, so the step's fixed cost is shared. Where one block holds every key, key and
 value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
-(:func:`lanes_transposed`: head dims under 128 lanes). The dropout mask is regenerated in every kernel from the 8-byte key, per element of
-the ``(*batch, L, S)`` probabilities:
+(:func:`lanes_transposed`: head dims under 128 lanes). The dropout mask is regenerated in every
+kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
   probability when ``jax.random.bernoulli(key, 1 - dropout_p, (*batch, L, S))`` is True
