@@ -9,7 +9,7 @@ XLA's dumps (``tpu_compile.compile_graph(..., dump_to=...)``), reads the compile
 (the largest ``preallocated-temp`` allocation without a memory color), its size, the most bytes
 live in it at once and the largest buffers live then, each with its shape and layout (a layout's
 tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per row). Written to
-``results/tpu_peak.{json,md}``, rows of earlier runs of other steps kept.
+``results/tpu_peak.{json,md}``, rows of earlier runs of other steps or at other commits kept.
 
 Read the block's live bytes, not the dump's "Stack trace breakdown for peak usage": that counts
 parameters and the sources of asynchronous copies too, so two steps' figures there do not compare
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, markdown_table, write  # noqa: E402
+from common import RESULTS, commit, markdown_table, write  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -93,7 +93,7 @@ def measure(model, batch, variant: str, generation: str, top: int) -> dict:
         peak = heap_peak(path.read_text())
     del outputs
     model.zero_grad(set_to_none=True)
-    return {"variant": variant, "generation": generation, "peak_bytes": compiled.peak_bytes,
+    return {"variant": variant, "generation": generation, "commit": commit(), "peak_bytes": compiled.peak_bytes,
             "heap_bytes": peak.heap_bytes, "live_bytes": peak.live_bytes,
             "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]]}
 
@@ -107,12 +107,14 @@ def render(records: list) -> str:
              "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
              "do not depend on the machine's load.\n\n")
     table = markdown_table(
-        ["model", "attention", "variant", "generation", "peak HBM (MiB)", "temporaries (MiB)",
+        ["model", "attention", "variant", "generation", "commit", "peak HBM (MiB)", "temporaries (MiB)",
          "live at their peak (MiB)"],
-        [[r["model"], r["attention"], r["variant"], r["generation"], f"{r['peak_bytes'] / MIB:.1f}",
-          f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}"] for r in records])
+        [[r["model"], r["attention"], r["variant"], r["generation"], r.get("commit", "—"),
+          f"{r['peak_bytes'] / MIB:.1f}", f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}"]
+         for r in records])
     for r in records:
-        table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']}: largest buffers live at "
+        table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r.get('commit', '—')}): "
+                  "largest buffers live at "
                   "the peak\n\n" + markdown_table(["MiB", "shape and layout", "buffer"],
                                                   [[f"{size / MIB:.2f}", f"`{shape}`", name]
                                                    for size, shape, name in r["largest_live"]]))
@@ -120,7 +122,8 @@ def render(records: list) -> str:
 
 
 def _key(record):
-    return record["model"], record["attention"], record["variant"], record["generation"]
+    # A step measured at another commit is another row: the kernels may have changed.
+    return record["model"], record["attention"], record["variant"], record["generation"], record.get("commit")
 
 
 def main():
