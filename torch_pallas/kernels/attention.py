@@ -353,12 +353,15 @@ class _Static:
         key and that takes fewer bytes (:func:`lanes_transposed`). Over several key blocks
         libtpu's schedule of the kernels is longer with ``(E, kv)`` blocks than ``(kv, E)``
         (GPT-2's 1024 keys in blocks of 512), shorter with one (BERT's 512, ViT's 197)."""
-        return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, self.problem.E)
+        return self._reads_transposed(self.problem.E)
 
     @functools.cached_property
     def value_transposed(self):
         """As :attr:`key_transposed`, for the value's ``(Ev, S)``."""
-        return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, self.problem.Ev)
+        return self._reads_transposed(self.problem.Ev)
+
+    def _reads_transposed(self, cols: int) -> bool:
+        return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, cols)
 
 
 def lanes_transposed(rows: int, cols: int) -> bool:
@@ -719,7 +722,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
-    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
+    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), static.S_padded
     q, k, v, bias = _kernel_operands(query, key, value, bias, static, L_padded)
     specs, _, _ = _specs(static, bias is not None, kv_major=False)
     grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
@@ -908,7 +911,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)
     blocks = static.blocks
-    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), tiling.round_up(problem.S, blocks.kv)
+    L_padded, S_padded = tiling.round_up(problem.L, blocks.q), static.S_padded
     rows = (problem.size, problem.L)
 
     def per_row(array):

@@ -93,7 +93,7 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
                                       interpret=interpret, backward=backward, global_shape=None, max_planes=1)
     L_padded = tiling.round_up(L, static.blocks.q)
-    S_padded = tiling.round_up(S, static.blocks.kv)
+    S_padded = static.S_padded
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
     # (Scores are never padded along S: with softmax=True a block holds whole rows.)
     w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
