@@ -114,8 +114,7 @@ def render(records: list) -> str:
          for r in records])
     for r in records:
         table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r.get('commit', '—')}): "
-                  "largest buffers live at "
-                  "the peak\n\n" + markdown_table(["MiB", "shape and layout", "buffer"],
+                  "largest buffers live at the peak\n\n" + markdown_table(["MiB", "shape and layout", "buffer"],
                                                   [[f"{size / MIB:.2f}", f"`{shape}`", name]
                                                    for size, shape, name in r["largest_live"]]))
     return notes + table
