@@ -3,6 +3,7 @@
     ./dev bench --only tpu_step --full   # every model, attention, variant and generation (~75 minutes)
     ./dev bench --only tpu_step          # GPT-2 for v5e (~6 minutes)
     .venv/xla/bin/python bench/bench_tpu_step.py --models bert --generations v4   # any subset
+    .venv/torchax/bin/python bench/bench_tpu_step.py --generations tpu7x          # the torchax stack
 Every run keeps the committed rows it did not redo (results/tpu_step.json).
 
 One step (forward, loss, backward; outputs: the loss and every gradient) of GPT-2, BERT (masked
@@ -20,11 +21,14 @@ change), every dropout p=0.1, built four ways with the same weights:
 
 and with the model's attention implementations (transformers' ``sdpa``, its default; ``eager``).
 Each graph is compiled for one chip of each generation by libtpu's compile-only client
-(``tpu_compile.compile_graph``). Reported: the compiler's peak HBM bytes, its cost analysis's
-bytes accessed, and the estimated step time (``tpu_schedule.estimate`` of the compile's dumps, as
-``compile_graph(..., estimate=True)`` gives it; a program the estimate cannot count is reported
-without one, from the same compile). Nothing runs on a TPU: these are what the
-compiler plans, not measurements.
+(``tpu_compile.compile_graph``). On the torchax stack, whose libtpu also knows TPU7x, the step is
+a JAX function of the parameters (:func:`step_function`) compiled by ``tpu_compile.analyze_for_tpu``,
+and ``torch`` is torchax's dropout (``jax.random`` bits drawn by XLA); its rows are kept apart.
+Reported: the compiler's peak HBM bytes, its cost analysis's bytes accessed, and the estimated
+step time (``tpu_schedule.estimate`` of the compile's dumps, as ``compile_graph(...,
+estimate=True)`` gives it; a program the estimate cannot count, or TPU7x's, is reported without
+one, from the same compile). Nothing runs on a TPU: these are what the compiler plans, not
+measurements.
 """
 
 from __future__ import annotations
@@ -52,37 +56,38 @@ LAYERS = 2
 # Rows measured before this commit (they carry no "commit") ran kernels that read key and value as
 # (S, E) planes wherever; the table marks their torch_pallas figures until they are measured again.
 KEY_VALUE_TRANSPOSED = "10ca643"
+PATH = RESULTS / "tpu_step.json"
 
 
-def _gpt2(transformers, torch, device, attention, layers):
+def _gpt2(transformers, torch, attention, layers):
     config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=layers, n_head=12,
                                      attn_pdrop=P, resid_pdrop=P, embd_pdrop=P, use_cache=False,
                                      attn_implementation=attention)
-    ids = torch.randint(0, config.vocab_size, (8, 1024), device=device)
+    ids = torch.randint(0, config.vocab_size, (8, 1024))
     return transformers.GPT2LMHeadModel(config), dict(input_ids=ids, labels=ids)
 
 
-def _bert(transformers, torch, device, attention, layers):
+def _bert(transformers, torch, attention, layers):
     config = transformers.BertConfig(num_hidden_layers=layers, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
                                      attn_implementation=attention)
-    ids = torch.randint(0, config.vocab_size, (8, 512), device=device)
+    ids = torch.randint(0, config.vocab_size, (8, 512))
     return transformers.BertForMaskedLM(config), dict(input_ids=ids, labels=ids)
 
 
-def _vit(transformers, torch, device, attention, layers):
+def _vit(transformers, torch, attention, layers):
     config = transformers.ViTConfig(num_hidden_layers=layers, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
                                     num_labels=1000, attn_implementation=attention)
-    pixels = torch.randn(32, 3, 224, 224, device=device)
-    labels = torch.randint(0, 1000, (32,), device=device)
+    pixels = torch.randn(32, 3, 224, 224)
+    labels = torch.randint(0, 1000, (32,))
     return transformers.ViTForImageClassification(config), dict(pixel_values=pixels, labels=labels)
 
 
-def _t5(transformers, torch, device, attention, layers):
+def _t5(transformers, torch, attention, layers):
     config = transformers.T5Config(d_model=768, d_kv=64, d_ff=3072, num_heads=12, num_layers=layers,
                                    num_decoder_layers=layers, dropout_rate=P, decoder_start_token_id=0, pad_token_id=0,
                                    attn_implementation=attention)
-    ids = torch.randint(0, config.vocab_size, (8, 512), device=device)
-    labels = torch.randint(0, config.vocab_size, (8, 128), device=device)
+    ids = torch.randint(0, config.vocab_size, (8, 512))
+    labels = torch.randint(0, config.vocab_size, (8, 128))
     return transformers.T5ForConditionalGeneration(config), dict(input_ids=ids, labels=labels)
 
 
@@ -92,11 +97,19 @@ MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024
           "t5": ("T5-base widths: d_model 768, 12 heads, d_ff 3072, 8 x 512 input and 8 x 128 target tokens", _t5)}
 
 
+def stack() -> str:
+    """The stack this process runs: ``"xla"`` (torch_xla's lazy graph, libtpu 0.0.21: v4 to v6e)
+    or ``"torchax"`` (the step as a JAX function, its libtpu also knows TPU7x)."""
+    from torch_pallas import bridge
+
+    return bridge.STACK
+
+
 def build(model_name: str, attention: str, layers: int):
-    """The model and its batch on the XLA device, or None when transformers cannot build the
-    model with that attention (T5 has no ``sdpa`` in transformers 4.57)."""
+    """The model and its batch on the stack's device (torch_xla's, or torchax's ``jax``), or None
+    when transformers cannot build the model with that attention (T5 has no ``sdpa`` in
+    transformers 4.57)."""
     import torch
-    import torch_xla
     import transformers
 
     import torch_pallas
@@ -104,17 +117,24 @@ def build(model_name: str, attention: str, layers: int):
     if attention == "torch_pallas":
         torch_pallas.register_attention()
     torch.manual_seed(0)
-    device = torch_xla.device()
     unavailable = f"transformers {transformers.__version__} has no {attention} attention for this model"
     try:
-        model, batch = MODELS[model_name][1](transformers, torch, device, attention, layers)
+        model, batch = MODELS[model_name][1](transformers, torch, attention, layers)
     except (ValueError, KeyError):
         # ValueError: transformers refuses an implementation the model lacks (T5 4.57: sdpa);
         # KeyError: a model that does not look attention up in AttentionInterface (BERT 4.57).
         return None, unavailable
     if attention == "torch_pallas" and not getattr(model, "_supports_attention_backend", False):
         return None, unavailable  # T5 4.57 takes the name and runs its own eager attention anyway
-    model = model.to(device)
+    if stack() == "torchax":
+        import torchax
+
+        with torchax.default_env():
+            return model.to("jax"), {name: value.to("jax") for name, value in batch.items()}
+    import torch_xla
+
+    device = torch_xla.device()
+    model, batch = model.to(device), {name: value.to(device) for name, value in batch.items()}
     # Device data, not pending random ops: the step's inputs, as in training.
     torch_xla.sync()
     return model, batch
@@ -148,19 +168,106 @@ def graph_digest(hlo: str) -> str:
 
 
 # Figures a record of the same graph gives another (not what names the row).
-_NAMING = ("model", "attention", "layers", "variant", "generation", "same_graph_as")
+_NAMING = ("model", "attention", "layers", "stack", "variant", "generation", "same_graph_as")
+
+
+def step_function(model, batch, variant: str):
+    """torchax: one step as a JAX function of flat arrays (the parameters, buffers, batch and key
+    data), ``step(*arrays) -> (loss, gradients)``, and those arrays' shapes. ``torch``: torchax's
+    dropout, which draws from its environment's key (here the step's key data, as a JAX key)."""
+    import jax
+    import torchax
+    from torchax import interop
+
+    import torch_pallas
+    from torch_pallas import tpu_compile
+
+    env = torchax.default_env()
+    model.train(variant != "no dropout")
+    routed, impl = variant.startswith("torch_pallas"), variant.split()[-1]
+    jittable = interop.JittableModule(model)
+
+    def loss_of(params, buffers, batch, key_data):  # torchax tensors
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(env)
+            if routed:
+                scope.enter_context(torch_pallas.route_dropout(impl=impl, fuse_residual=True, fuse_matmul=True))
+                scope.enter_context(torch_pallas.seeds.key_scope(key_data))
+            else:
+                words = jax.lax.bitcast_convert_type(interop.jax_view(key_data), jax.numpy.uint32)
+                scope.enter_context(env.override_property(prng=jax.random.wrap_key_data(words)))
+            return jittable.functional_call("forward", params, buffers, **batch).loss
+
+    value_and_grad = interop.jax_value_and_grad(loss_of)
+    with env:
+        key_data = torch_pallas.seeds.key_data(seed=0)
+    arrays, tree = jax.tree.flatten(interop.jax_view((jittable.params, jittable.buffers, batch, key_data)))
+
+    def step(*arrays):
+        # The backward kernels are traced after loss_of returns: lowering for TPU spans the whole step.
+        with tpu_compile.lowering_for_tpu():
+            torch_pallas.random.set_default_impl(impl if routed else None)
+            try:
+                return interop.jax_view(value_and_grad(*jax.tree.unflatten(tree, arrays)))
+            finally:
+                torch_pallas.random.set_default_impl(None)
+
+    return step, [jax.ShapeDtypeStruct(array.shape, array.dtype) for array in arrays]
+
+
+def kernels_in(jaxpr) -> int:
+    """The ``pallas_call``s in ``jaxpr`` and the jaxprs it calls (its text prints a function
+    called several times once)."""
+    count = 0
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "pallas_call":
+            count += 1
+            continue
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    count += kernels_in(inner)
+    return count
+
+
+def versions() -> dict:
+    """The torchax stack's packages, which a torchax row records (the results' header names the xla stack's)."""
+    from importlib import metadata
+
+    return {name: metadata.version(name) for name in ("torch", "torchax", "jax", "libtpu", "transformers")}
 
 
 def measure(model, batch, variant: str, generations, known=None) -> list:
     """One record per generation; a graph in ``known`` (``{(digest, generation): record}``) takes
     that record's figures, with ``same_graph_as`` naming it, instead of compiling again."""
-    import torch_xla
+    import jax
 
     from torch_pallas import tpu_compile, tpu_schedule
 
-    outputs = step_outputs(model, batch, variant)
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-    digest = graph_digest(hlo)
+    outputs = None
+    if stack() == "torchax":
+        from jax._src.interpreters import partial_eval
+
+        step, shapes = step_function(model, batch, variant)
+        jaxpr = jax.make_jaxpr(step)(*shapes)
+        text, digest_name, extra = str(jaxpr), "jaxpr_sha256", {"versions": versions()}
+        # Counted after dead-code elimination, as XLA keeps them: inside jax.jit a fused residual
+        # dropout leaves the unfused dropout's kernel traced but dead (jax's private pass; bench only).
+        kernels = kernels_in(partial_eval.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.jaxpr.outvars))[0])
+
+        def compile_for(generation):
+            return tpu_compile.analyze_for_tpu(step, *shapes, generation=generation, estimate=False)
+    else:
+        import torch_xla
+
+        outputs = step_outputs(model, batch, variant)
+        text, digest_name, extra = torch_xla._XLAC._get_xla_tensors_hlo(outputs), "hlo_sha256", {}
+        kernels = text.count('custom_call_target="tpu_custom_call"')
+
+        def compile_for(generation):
+            return tpu_compile.compile_graph(outputs, generation)
+    digest = graph_digest(text)
     records = []
     for generation in generations:
         same = (known or {}).get((digest, generation))
@@ -169,42 +276,45 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
                             "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"})
             continue
         with tpu_compile.compiler_dumps() as dumps:
-            compiled = tpu_compile.compile_graph(outputs, generation)
+            compiled = compile_for(generation)
         try:
             estimate, unestimated = tpu_schedule.estimate(dumps, generation), None
-        except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level)
+        except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level; TPU7x)
             estimate, unestimated = None, str(error)
         records.append({
             "variant": variant, "generation": generation, "compile_s": compiled.seconds,
             "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
-            "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops,
-            "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+            "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops, "tpu_custom_calls": kernels,
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
-            "unestimated": unestimated, "hlo_sha256": digest, "commit": commit(),
+            "unestimated": unestimated, digest_name: digest, "commit": commit(), **extra,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]]})
         print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
     # The CPU client cannot run these graphs: drop them before anything syncs.
-    del outputs
+    del outputs, compile_for
     model.zero_grad(set_to_none=True)
     return records
 
 
+def _stack_of(record) -> str:
+    return record.get("stack", "xla")  # rows measured before the torchax stack was benchmarked name none
+
+
 def _key(record):
-    return record["model"], record["attention"], record["variant"], record["generation"]
+    return record["model"], record["attention"], record["variant"], record["generation"], _stack_of(record)
 
 
 def _graph_key(record):
-    return record["hlo_sha256"], record["generation"]
+    return record.get("hlo_sha256") or record.get("jaxpr_sha256"), record["generation"]
 
 
 def measure_all(models, attentions, variants, generations, layers) -> list:
     records = []
-    known = {_graph_key(r): r for r in merged([]) if r.get("hlo_sha256")}
+    known = {_graph_key(r): r for r in merged([]) if _graph_key(r)[0]}
     for model_name in models:
         for attention in attentions:
             model, batch = build(model_name, attention, layers)
-            base = {"model": model_name, "attention": attention, "layers": layers}
+            base = {"model": model_name, "attention": attention, "layers": layers, "stack": stack()}
             if model is None:
                 records += [{**base, "variant": v, "generation": g, "unavailable": batch}
                             for v in variants for g in generations]
@@ -225,14 +335,15 @@ def save(records: list) -> str:
     """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table."""
     records = merged(records)
     table = render(records)
-    write("tpu_step", {"mode": "compile only", "results": records}, table, None)
+    # The header names the xla stack, whose rows most are; torchax rows name their packages themselves.
+    header = json.loads(PATH.read_text())["machine"] if stack() == "torchax" and PATH.exists() else None
+    write("tpu_step", {"mode": "compile only", "results": records}, table, None, header)
     return table
 
 
 def merged(records: list) -> list:
     """``records`` over the committed results: a partial run replaces only its own rows."""
-    path = RESULTS / "tpu_step.json"
-    old = json.loads(path.read_text()).get("results", []) if path.exists() else []
+    old = json.loads(PATH.read_text()).get("results", []) if PATH.exists() else []
     new = {_key(r): r for r in records}
     return [r for r in old if "model" in r and _key(r) not in new] + records
 
@@ -244,27 +355,30 @@ def render(records: list) -> str:
     rows = []
     for model_name in MODELS:
         for attention in ATTENTIONS:
-            generations = sorted({r["generation"] for r in records
-                                  if r["model"] == model_name and r["attention"] == attention},
-                                 key=lambda g: (len(g), g))
-            for generation in generations:
-                torch_row = by.get((model_name, REFERENCE_ATTENTION[attention], "torch", generation))
-                own = by.get((model_name, attention, "torch_pallas threefry", generation)) or {}
+            # The xla stack's generations, then those measured on torchax (its libtpu knows TPU7x).
+            places = sorted({(_stack_of(r), r["generation"]) for r in records
+                             if r["model"] == model_name and r["attention"] == attention},
+                            key=lambda place: (place[0] != "xla", len(place[1]), place[1]))
+            for stack_name, generation in places:
+                def find(attention_name, variant):
+                    return by.get((model_name, attention_name, variant, generation, stack_name))
+
+                label = generation if stack_name == "xla" else f"{generation} ({stack_name})"
+                torch_row = find(REFERENCE_ATTENTION[attention], "torch")
+                own = find(attention, "torch_pallas threefry") or {}
                 if torch_row is None or "unavailable" in torch_row or "unavailable" in own:
                     reason = own.get("unavailable") or (torch_row or {}).get("unavailable", "not measured")
-                    rows.append([model_name, attention, generation, reason] + [""] * 5)
+                    rows.append([model_name, attention, label, reason] + [""] * 5)
                     continue
-                cells = [model_name, attention, generation, f"{torch_row['peak_bytes'] / 2**20:.0f}",
+                cells = [model_name, attention, label, f"{torch_row['peak_bytes'] / 2**20:.0f}",
                          _ms(torch_row.get("estimate_s"))]
                 for variant in ("torch_pallas threefry", "torch_pallas hardware", "no dropout"):
-                    row = by.get((model_name, attention if variant != "no dropout" else REFERENCE_ATTENTION[attention],
-                                  variant, generation))
+                    row = find(attention if variant != "no dropout" else REFERENCE_ATTENTION[attention], variant)
                     cells.append("—" if row is None or "unavailable" in row else
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
                                  + ("" if "commit" in row or variant == "no dropout" else " †"))
-                cells.append(by.get((model_name, attention, "torch_pallas threefry", generation), {})
-                             .get("tpu_custom_calls", "—"))
+                cells.append((own or find(attention, "torch_pallas hardware") or {}).get("tpu_custom_calls", "—"))
                 rows.append(cells)
     layers = sorted({r["layers"] for r in records})
     notes = (
@@ -282,11 +396,20 @@ def render(records: list) -> str:
         "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements. Rows come "
         "from several runs (`--models`/`--variants`/`--generations` subsets), some side by side: compile-only "
         "figures do not depend on the machine's load.\n\n")
-    unestimated = sorted({f"{r['model']} {r['attention']} {r['variant']}: "
-                          + re.sub(r" [(].*", "", r["unestimated"].split(":")[0])
-                          for r in records if r.get("unestimated")})
-    if unestimated:
-        notes += "Not estimated (—): " + "; ".join(unestimated) + ".\n\n"
+    torchax_rows = [r for r in records if _stack_of(r) == "torchax" and "versions" in r]
+    if torchax_rows:
+        packages = ", ".join(f"{name} {version}" for name, version in torchax_rows[-1]["versions"].items())
+        notes += ("Generations marked (torchax): measured on the torchax stack (" + packages + "), whose libtpu "
+                  "knows TPU7x (torch_xla's does not): the step is a JAX function (`step_function`: torchax's "
+                  "`JittableModule` under `jax.value_and_grad`, the backward kernels the ops' own) compiled by "
+                  "`tpu_compile.analyze_for_tpu`. There `torch` is torchax's dropout: `jax.random` threefry bits "
+                  "drawn by XLA inside the step, from the step's key, the mask kept for the backward pass.\n\n")
+    unestimated = {}
+    for r in records:
+        if r.get("unestimated"):
+            unestimated.setdefault(r["unestimated"], set()).add(f"{r['model']} {r['attention']} {r['generation']}")
+    for reason, rows_of_reason in sorted(unestimated.items()):
+        notes += f"Not estimated (—) for {', '.join(sorted(rows_of_reason))}: {reason}.\n\n"
     if any("commit" not in r for r in records if r.get("variant", "").startswith("torch_pallas") and "peak_bytes" in r):
         notes += (f"†: measured before {KEY_VALUE_TRANSPOSED}, with kernels that read key and value as (S, E) planes "
                   "(a head dim of 64 in 128-lane rows) wherever; they now read them transposed where one block holds "
@@ -346,6 +469,7 @@ def main():
 
 if __name__ == "__main__":
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: torchax's JAX would otherwise try libtpu first
     import torch_pallas  # noqa: F401  (torch_xla before JAX)
 
     main()
