@@ -403,7 +403,7 @@ def render(records: list) -> str:
                   "knows TPU7x (torch_xla's does not): the step is a JAX function (`step_function`: torchax's "
                   "`JittableModule` under `jax.value_and_grad`, the backward kernels the ops' own) compiled by "
                   "`tpu_compile.analyze_for_tpu`. There `torch` is torchax's dropout: `jax.random` threefry bits "
-                  "drawn by XLA inside the step, from the step's key, the mask kept for the backward pass.\n\n")
+                  "drawn by XLA inside the step, from the step's key.\n\n")
     unestimated = {}
     for r in records:
         if r.get("unestimated"):
