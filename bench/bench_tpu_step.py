@@ -218,17 +218,11 @@ def step_function(model, batch, variant: str):
 def kernels_in(jaxpr) -> int:
     """The ``pallas_call``s in ``jaxpr`` and the jaxprs it calls (its text prints a function
     called several times once)."""
-    count = 0
-    for equation in jaxpr.eqns:
-        if equation.primitive.name == "pallas_call":
-            count += 1
-            continue
-        for value in equation.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
-                if hasattr(inner, "eqns"):
-                    count += kernels_in(inner)
-    return count
+    import jax.extend
+
+    return sum(1 if equation.primitive.name == "pallas_call" else
+               sum(kernels_in(inner) for inner in jax.extend.core.jaxprs_in_params(equation.params))
+               for equation in jaxpr.eqns)
 
 
 def versions() -> dict:

@@ -26,6 +26,16 @@ def record_dropout_keys(monkeypatch) -> list:
     return keys
 
 
+
+def record_kernels(monkeypatch) -> list:
+    """``(kernel, interpret)`` of every kernel the JAX-array front ends (torchax) apply from now
+    on: ``interpret`` False where it is lowered for TPU."""
+    kernels, jitted = [], bridge.jitted
+    monkeypatch.setattr(bridge, "jitted", lambda f, static, interpret: kernels.append((f, interpret))
+                        or jitted(f, static, interpret))
+    return kernels
+
+
 class TorchSDPACalls(TorchFunctionMode):
     """Counts calls of torch's scaled_dot_product_attention (on torchax, entered inside its
     environment, it sees them before torchax's own mode)."""

@@ -12,13 +12,14 @@ import torchax
 from torchax import interop
 
 import torch_pallas
-from torch_pallas import bridge, tpu_compile
+from torch_pallas import tpu_compile
 from torch_pallas.tpu_compile import GENERATIONS
 from torch_pallas.kernels import attention as attention_kernels, dropout as dropout_kernels
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 import train_torchax  # noqa: E402
+from kernel_calls import record_kernels  # noqa: E402
 from conftest import NEEDS_LIBTPU, ON_TPU  # noqa: E402
 
 ENV = torchax.default_env()
@@ -42,14 +43,6 @@ def example_step(route=True):
     init, update = train_torchax.adam(1e-3)
     step, params, buffers = train_torchax.make_train_step(model, update, route=route)
     return step, (params, buffers, init(params), ids, key_data)
-
-
-def record_kernels(monkeypatch) -> list:
-    """The (kernel, interpret) of every torch_pallas op applied from now on."""
-    kernels, jitted = [], bridge.jitted
-    monkeypatch.setattr(bridge, "jitted", lambda f, static, interpret: kernels.append((f, interpret))
-                        or jitted(f, static, interpret))
-    return kernels
 
 
 def step_jaxpr(route, monkeypatch):
