@@ -110,5 +110,5 @@ def test_fake_tensors_go_through_the_op():
     with FakeTensorMode():
         x = torch.empty(4, 128, device=torch_xla.device())
         key_data = torch.empty(2, dtype=torch.int32, device=torch_xla.device())
-        y = torch_pallas.ops.dropout.apply(x, key_data, 0.5, "threefry", False, None, None, None)
+        y = torch_pallas.ops.dropout.apply(x, key_data, p=0.5, impl="threefry")
     assert isinstance(y, FakeTensor) and y.shape == (4, 128)

@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
-from torch_pallas.ops import attention as attention_op
+from torch_pallas.ops import attention as attention_ops
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -98,7 +98,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     try:
-        out_shape, _ = attention_op.output_shapes(query, key, value, attn_mask, bool(enable_gqa))
+        out_shape, _ = attention_ops.output_shapes(query, key, value, attn_mask, bool(enable_gqa))
     except ValueError as error:
         raise ValueError(f"scaled_dot_product_attention: {error}") from None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -108,9 +108,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if math.prod(out_shape) == 0 or key.shape[-2] == 0:
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)
-    found = sharding.resolve(query)
-    if found is not None:
-        attention_op.shard_dims(found, query, key, value, attn_mask,
+    query_sharding = sharding.resolve(query)
+    if query_sharding is not None:
+        attention_ops.shard_dims(query_sharding, query, key, value, attn_mask,
                                 mask_grad=attn_mask is not None and attn_mask.requires_grad)
-    return attention_op.apply(query, key, value, attn_mask, key_data, dropout_p, impl, bool(is_causal), scale,
-                              bool(enable_gqa), sharding=None if found is None else found.text)
+    return attention_ops.apply(query, key, value, attn_mask, key_data, dropout_p=dropout_p, impl=impl,
+                              is_causal=bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
+                              sharding_text=None if query_sharding is None else query_sharding.text)

@@ -10,11 +10,12 @@ only place touching its library:
 
 A front end is chosen by the tensor's device type and imported the first time a tensor of
 its kind is seen, so neither torch_xla nor torchax is imported by a process that does not
-use it. Each defines the functions this module and its callers forward to (``call``,
-``draw_key_words``, ``default_device``, ``platform_is_tpu``, ``runs_lazily``, ``checkpoint``,
-``check_use_reentrant``; for sharded tensors ``sharding_of``, ``sharding_from_mesh``,
-``call_sharded``, ``sum_rows_in_order``); adding a front end means adding one module and
-naming it in :data:`FRONT_ENDS`.
+use it. What a front end provides is stated once, by :class:`FrontEnd` (every front end)
+and :class:`ShardingFrontEnd` (front ends whose tensors can be sharded over a mesh); a
+front-end module names the protocols it implements in ``IMPLEMENTS`` and is checked
+against them when it is loaded (:func:`check_front_end`). Adding a front end means adding
+one module and naming it in :data:`FRONT_ENDS`. The rest of the package reaches a front end
+through this module's functions only.
 
 It also holds what is the same for every front end: whether Pallas kernels run compiled
 (TPU) or in interpret mode, and the default noise generator.
@@ -26,9 +27,14 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from torch_pallas.sharding import Sharding
 
 # torch device type -> the front end's module (in torch_pallas.frontends)
 FRONT_ENDS = {"xla": "xla", "jax": "torchax", "cpu": "dlpack"}
@@ -42,39 +48,146 @@ elif importlib.util.find_spec("torchax") is not None:
 else:
     STACK = "dlpack"
 
-_loaded: dict[str, object] = {}
+class FrontEnd(Protocol):
+    """What every front end provides: the members of its module (``def name(...)`` without
+    ``self``; a module is the implementation). :func:`check_front_end` holds a module to it."""
+
+    def platform_is_tpu(self) -> bool:
+        """Whether this process's accelerator is a TPU (read once: :func:`on_tpu`)."""
+
+    def default_device(self) -> torch.device:
+        """Where tensors are created when a call names no device (:func:`device_or_default`)."""
+
+    def check_device_usable(self, device: torch.device) -> None:
+        """Raises ``RuntimeError`` naming the fix when tensors cannot be created on ``device``
+        now (torchax: outside its environment); returns otherwise."""
+
+    def runs_lazily(self, tensor: torch.Tensor) -> bool:
+        """Whether ops on ``tensor`` are recorded to run later (:func:`runs_lazily`)."""
+
+    def draw_key_words(self, device: torch.device) -> torch.Tensor:
+        """Two int32 words of key data from ``device``'s own RNG (a call without seed or
+        generator)."""
+
+    def call(self, jax_function, tensors: Sequence[torch.Tensor], static: dict):
+        """``jax_function(*arrays, **static, interpret=...)`` on the tensors' arrays: a tensor
+        or a tuple of them (:func:`call`)."""
+
+    def check_use_reentrant(self, use_reentrant) -> None:
+        """Raises ``ValueError`` for a ``use_reentrant`` this stack's checkpoint cannot take."""
+
+    def checkpoint(self, region, *args, use_reentrant, preserve_rng_state):
+        """``region(*args)`` under the stack's activation checkpointing."""
+
+    def register_op(self, op, compute, formula) -> None:
+        """Told of every custom op (:func:`register_op`); a front end whose tensors go through
+        torch's dispatcher has nothing to do."""
+
+    def defer_function_to_mode(self, func, mode_type) -> None:
+        """Told of every torch function a mode must see first (:func:`defer_function_to_mode`);
+        a front end that takes no torch function itself has nothing to do."""
 
 
-def front_end(device_type: str):
-    """The front-end module for tensors of ``device_type`` (imported on first use), or ``None``
-    when torch_pallas has none for it on this stack."""
+class ShardingFrontEnd(FrontEnd, Protocol):
+    """What a front end whose tensors can be sharded over a mesh provides besides
+    :class:`FrontEnd` (:mod:`torch_pallas.sharding` says what a sharding is)."""
+
+    MESH_TYPE_NAME: str  # the mesh type a call's ``mesh=`` must be, as error messages name it
+
+    def is_mesh(self, mesh) -> bool:
+        """Whether ``mesh`` is this stack's mesh type."""
+
+    def sharding_of(self, tensor: torch.Tensor) -> Optional["Sharding"]:
+        """The sharding ``tensor`` carries (``None``: on one device, or replicated)."""
+
+    def sharding_from_mesh(self, mesh, partition_spec: Sequence) -> Optional["Sharding"]:
+        """The sharding ``mesh`` and ``partition_spec`` give a tensor."""
+
+    def call_sharded(self, jax_function, sharding_text: str, tensors, in_dims, out_dims, noise_shape,
+                     static: dict):
+        """:func:`call_sharded` on this stack's tensors."""
+
+    def sum_rows_in_order(self, rows: torch.Tensor, sharding_text: str, dims: tuple,
+                          like: torch.Tensor) -> torch.Tensor:
+        """:func:`sum_rows_in_order` on this stack's tensors."""
+
+
+class GraphCompilingFrontEnd(FrontEnd, Protocol):
+    """A front end whose stack compiles torch graphs itself (torch_xla: ``"openxla"``)."""
+
+    def compile_aot_graph(self, graph_module: torch.fx.GraphModule, example_inputs) -> Callable:
+        """An AOTAutograd graph compiled as the stack's ``torch.compile`` backend compiles it."""
+
+
+def _members(protocol) -> dict[str, Optional[inspect.Signature]]:
+    """The members ``protocol`` declares itself: name -> signature without ``self`` (``None``
+    for a constant)."""
+    members = {name: None for name in protocol.__dict__.get("__annotations__", {})}
+    for name, value in vars(protocol).items():
+        if inspect.isfunction(value) and not name.startswith("_"):
+            signature = inspect.signature(value)
+            members[name] = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return members
+
+
+def check_front_end(module) -> None:
+    """Checks that ``module`` declares the protocols it implements (``IMPLEMENTS``, with
+    :class:`FrontEnd` among them) and has each of their members, functions with the protocol's
+    parameters.
+
+    Raises:
+        TypeError: naming the module and every member that is missing or differs.
+    """
+    implements = getattr(module, "IMPLEMENTS", ())
+    problems = [] if FrontEnd in implements else ["IMPLEMENTS does not name bridge.FrontEnd"]
+    for protocol in implements:
+        for base in reversed(protocol.__mro__):
+            if base is Protocol or base is object or not isinstance(base, type) or Protocol not in base.__bases__:
+                continue
+            for name, signature in _members(base).items():
+                value = getattr(module, name, None)
+                if value is None:
+                    problems.append(f"{name} ({base.__name__}) is missing")
+                elif signature is not None and (not callable(value) or _parameters(value) != _parameters(signature)):
+                    problems.append(f"{name} must take {signature}")
+    if problems:
+        raise TypeError(f"front end {module.__name__}: " + "; ".join(problems))
+
+
+def _parameters(function_or_signature) -> list[tuple[str, object]]:
+    signature = (function_or_signature if isinstance(function_or_signature, inspect.Signature)
+                 else inspect.signature(function_or_signature))
+    return [(parameter.name, parameter.kind) for parameter in signature.parameters.values()]
+
+
+_loaded: dict[str, FrontEnd] = {}
+
+
+def front_end(device_type: str) -> Optional[FrontEnd]:
+    """The front end for tensors of ``device_type`` (imported and checked on first use), or
+    ``None`` when torch_pallas has none for it on this stack."""
     module = _loaded.get(device_type)
     if module is None:
         name = FRONT_ENDS.get(device_type)
         if name is None or (name != "dlpack" and name != STACK):
             return None
-        module = _loaded[device_type] = importlib.import_module(f"torch_pallas.frontends.{name}")
+        module = importlib.import_module(f"torch_pallas.frontends.{name}")
+        check_front_end(module)
+        _loaded[device_type] = module
         for hook, args in _ANNOUNCEMENTS:
-            _announce_to(module, hook, args)
+            getattr(module, hook)(*args)
     return module
 
 
 # What the package has told the front ends, replayed to each one loaded later: (the name of
-# the front end's function that takes it, its arguments). A front end without that function
-# has no use for it.
+# the FrontEnd member that takes it, its arguments).
 _ANNOUNCEMENTS: list = []
-
-
-def _announce_to(module, hook: str, args: tuple) -> None:
-    function = getattr(module, hook, None)
-    if function is not None:
-        function(*args)
 
 
 def _announce(hook: str, *args) -> None:
     _ANNOUNCEMENTS.append((hook, args))
     for module in set(_loaded.values()):
-        _announce_to(module, hook, args)
+        getattr(module, hook)(*args)
 
 
 def register_op(op, compute, formula=None) -> None:
@@ -95,7 +208,7 @@ def defer_function_to_mode(func, mode_type) -> None:
     _announce("defer_function_to_mode", func, mode_type)
 
 
-def default_front_end():
+def default_front_end() -> FrontEnd:
     """The front end of this process's stack (:data:`STACK`)."""
     return front_end({"xla": "xla", "torchax": "jax", "dlpack": "cpu"}[STACK])
 
@@ -145,12 +258,18 @@ def device_or_default(device=None) -> torch.device:
 
     Raises:
         ValueError: torch_pallas cannot run on ``device``.
+        RuntimeError: no tensor can be created on it now (torchax's ``jax`` device outside
+            torchax's environment), naming how to enter it.
     """
     if device is None:
-        return default_front_end().default_device()
-    device = torch.device(device)
-    if not runs_on(device):
-        raise ValueError(f"device must be {_DEVICES_HERE}, got {device}")
+        front = default_front_end()
+        device = front.default_device()
+    else:
+        device = torch.device(device)
+        front = front_end(device.type)
+        if front is None:
+            raise ValueError(f"device must be {_DEVICES_HERE}, got {device}")
+    front.check_device_usable(device)
     return device
 
 
@@ -160,12 +279,15 @@ _MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "dlpack": "'cpu'"
 
 
 def check_device(tensor: torch.Tensor, name: str) -> None:
-    """Raises ValueError unless torch_pallas runs on ``tensor``'s device (:func:`runs_on`),
-    naming the fix."""
+    """Raises unless torch_pallas runs on ``tensor``'s device (:func:`runs_on`) now, naming the
+    fix: ``ValueError`` for a device it has no front end for, ``RuntimeError`` for one it
+    cannot run on at this point (torchax's ``jax`` device outside torchax's environment)."""
     device = device_of(tensor)
-    if not runs_on(device):
+    front = front_end(device.type)
+    if front is None:
         raise ValueError(f"{name} is on {device}, but torch_pallas ops run on {_DEVICES_HERE}: "
                          f"move it with {name}.to({_MOVE_HINT})")
+    front.check_device_usable(device)
 
 
 def call(jax_function, *tensors: torch.Tensor, **static):
@@ -271,3 +393,73 @@ def jitted(jax_function, static: tuple, interpret: bool):
     import jax
 
     return jax.jit(functools.partial(jax_function, **dict(static), interpret=interpret))
+
+
+def draw_key_words(device: torch.device) -> torch.Tensor:
+    """Two int32 words of key data from the RNG of ``device`` (one torch_pallas runs on)."""
+    return front_end(device.type).draw_key_words(device)
+
+
+def sharding_of(tensor: torch.Tensor) -> Optional["Sharding"]:
+    """The sharding ``tensor`` carries (:meth:`ShardingFrontEnd.sharding_of`); ``None`` for a
+    tensor on one device, a replicated one, or one whose front end has no meshes."""
+    front = front_end(tensor.device.type)
+    if front is None or ShardingFrontEnd not in front.IMPLEMENTS:
+        return None
+    return front.sharding_of(tensor)
+
+
+def sharding_from_mesh(mesh, partition_spec: Sequence) -> Optional["Sharding"]:
+    """The sharding ``mesh`` (this stack's mesh type) and ``partition_spec`` give a tensor.
+
+    Raises:
+        TypeError: ``mesh`` is not this stack's mesh type (the CPU-only stack has none).
+    """
+    front = default_front_end()
+    if ShardingFrontEnd not in front.IMPLEMENTS:
+        raise TypeError(f"mesh must be a mesh of an accelerator stack, got {type(mesh).__name__}")
+    if not front.is_mesh(mesh):
+        raise TypeError(f"mesh must be a {front.MESH_TYPE_NAME}, got {type(mesh).__name__}")
+    return front.sharding_from_mesh(mesh, partition_spec)
+
+
+def call_sharded(jax_function, sharding_text: str, tensors: Sequence[torch.Tensor], in_dims: Sequence[tuple],
+                 out_dims: Sequence[tuple], *, noise_shape: Optional[Sequence[int]] = None, **static):
+    """``jax_function`` applied to each device's shards of ``tensors`` (sharded as
+    ``sharding_text``, a :class:`~torch_pallas.sharding.Sharding`'s text, says); returns the
+    outputs put back together, sharded as ``out_dims`` say, with no all-gather.
+
+    ``in_dims[i][k]`` is the dim of the sharding that dim ``k`` of ``tensors[i]`` follows,
+    or ``None`` for a dim every device holds whole (likewise ``out_dims`` for the outputs).
+    With ``noise_shape`` the function is a noise kernel whose first argument is key data
+    (replicated): it gets ``global_shape=noise_shape`` and, as data, its shard's offset in
+    that shape (``shared_over_first_dim`` in ``static``: in ``noise_shape[1:]``).
+    """
+    return front_end(tensors[0].device.type).call_sharded(
+        jax_function, sharding_text, tensors, in_dims, out_dims, noise_shape, static)
+
+
+def sum_rows_in_order(rows: torch.Tensor, sharding_text: str, dims: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 of ``rows``, split as ``dims`` say, in a fixed order, sharded as
+    ``like`` (a parameter whose gradient this is: replicated unless it is sharded).
+
+    The rows are first gathered onto every device (an all-gather of this small tensor only)
+    and summed there, so the result does not depend on a cross-device reduction's order."""
+    return front_end(rows.device.type).sum_rows_in_order(rows, sharding_text, dims, like)
+
+
+def check_use_reentrant(use_reentrant) -> None:
+    """Raises ``ValueError`` for a ``use_reentrant`` this stack's checkpoint cannot take."""
+    default_front_end().check_use_reentrant(use_reentrant)
+
+
+def checkpoint(device: torch.device, region, *args, use_reentrant, preserve_rng_state):
+    """``region(*args)`` under the activation checkpointing of ``device``'s stack."""
+    return front_end(device.type).checkpoint(region, *args, use_reentrant=use_reentrant,
+                                             preserve_rng_state=preserve_rng_state)
+
+
+def graph_compiler() -> Optional[GraphCompilingFrontEnd]:
+    """This stack's front end if it compiles torch graphs itself (torch_xla's), else ``None``."""
+    front = default_front_end()
+    return front if GraphCompilingFrontEnd in front.IMPLEMENTS else None

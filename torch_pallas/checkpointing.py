@@ -86,8 +86,8 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, preserve_rng_
         with seeds.key_scope(key_data), reentered:
             return function(*args, **kwargs)
 
-    return bridge.front_end(device.type).checkpoint(region, key_data, *args, use_reentrant=use_reentrant,
-                                                     preserve_rng_state=preserve_rng_state)
+    return bridge.checkpoint(device, region, key_data, *args, use_reentrant=use_reentrant,
+                             preserve_rng_state=preserve_rng_state)
 
 
 def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
@@ -142,7 +142,7 @@ def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
         # keeps the model's own torch.utils.checkpoint, the function that fails on XLA
         raise ValueError(f"{type(model).__name__} overrides _set_gradient_checkpointing(module, value), the format "
                          "of transformers < 4.35, which takes no checkpoint function: update its modeling code")
-    bridge.default_front_end().check_use_reentrant(use_reentrant)
+    bridge.check_use_reentrant(use_reentrant)
     setter(enable=True, gradient_checkpointing_func=functools.partial(
         checkpoint, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
     if getattr(model, "_hf_peft_config_loaded", False):

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.kernels.dropout_matmul import check_shapes as check_matmul_shapes
-from torch_pallas.ops import dropout as dropout_op, dropout_matmul as dropout_matmul_op, indrnn as indrnn_op
+from torch_pallas.sharding import Sharding
+from torch_pallas.ops import dropout as dropout_ops, dropout_matmul as dropout_matmul_ops, indrnn as indrnn_ops
 
 __all__ = ["dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
 
@@ -84,15 +85,18 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         >>> y.sum().backward()   # the same mask, regenerated from the key
     """
     _checks.check_tensor(x, "x")
-    return _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim,
-                    sharding.resolve(x, mesh, partition_spec))
+    return dropout_under_sharding(x, p, training, inplace, seed=seed, generator=generator, impl=impl,
+                                  shared_over_first_dim=shared_over_first_dim,
+                                  sharding=sharding.resolve(x, mesh, partition_spec))
 
 
-def _dropout(x, p, training, inplace, seed, generator, impl, shared_over_first_dim, found) -> torch.Tensor:
-    """:func:`dropout` of a tensor ``x`` whose sharding is resolved (``found``: a
-    :class:`~torch_pallas.sharding.Sharding` or ``None``): the path of the function and of
-    the modules, which resolve theirs when they are built."""
-    drawn = _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, found)
+def dropout_under_sharding(x: torch.Tensor, p: float, training: bool, inplace: bool, *, seed=None, generator=None,
+                           impl=None, shared_over_first_dim: bool = False,
+                           sharding: Optional[Sharding] = None) -> torch.Tensor:
+    """:func:`dropout` of a tensor ``x`` whose ``sharding`` is resolved (``None``: the kernel
+    runs on the whole tensor): the path of the function and of the modules, which resolve
+    theirs when they are built."""
+    drawn = draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, sharding)
     if drawn is None:
         return x  # the identity, as torch's, for any device and dtype
     output = drawn.output()
@@ -108,24 +112,25 @@ class DrawnDropout(NamedTuple):
     p: float
     impl: str
     shared_over_first_dim: bool
-    layout: str | None
+    sharding_text: str | None
 
     def output(self) -> torch.Tensor:
         if self.key_data is None:
             return self.x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
-        return dropout_op.apply(self.x, self.key_data, self.p, self.impl, self.shared_over_first_dim, None, None,
-                                self.layout)
+        return dropout_ops.apply(self.x, self.key_data, p=self.p, impl=self.impl,
+                                 shared_over_first_dim=self.shared_over_first_dim, sharding_text=self.sharding_text)
 
     def added_to(self, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self.output()`` in one kernel (a mask over all of ``x`` only)."""
         if self.key_data is None:
             return self.x * 0 + residual
-        return dropout_op.apply_add(self.x, residual, self.key_data, self.p, self.impl, self.layout)
+        return dropout_ops.apply_add(self.x, residual, self.key_data, p=self.p, impl=self.impl,
+                                     sharding_text=self.sharding_text)
 
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
         """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
         if self.key_data is not None and fuses_matmul(self, value):
-            return dropout_matmul_op.apply(self.x, value, self.key_data, self.p, self.impl, False)
+            return dropout_matmul_ops.apply(self.x, value, self.key_data, p=self.p, impl=self.impl)
         return torch.matmul(self.output(), value)
 
 
@@ -135,7 +140,7 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     (a kernel's: not float64) and device, a mask over the whole unsharded weights."""
     weights = drawn.x
     if not (isinstance(value, torch.Tensor) and value.dtype == weights.dtype and value.device == weights.device
-            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.layout is None
+            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.sharding_text is None
             and sharding.resolve(value) is None):
         return False
     try:
@@ -145,7 +150,8 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     return True
 
 
-def _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, found) -> DrawnDropout | None:
+def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shared_over_first_dim: bool,
+                 sharding: Optional[Sharding]) -> DrawnDropout | None:
     """Checks :func:`dropout`'s arguments and draws its key; ``None`` when nothing is dropped
     (``training=False`` or ``p == 0``), with no key drawn."""
     p, impl = _checks.noise_arguments(p, impl, seed, generator)
@@ -156,8 +162,9 @@ def _draw_dropout(x, p, training, seed, generator, impl, shared_over_first_dim, 
     _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
     if p == 1.0:
         return DrawnDropout(x, None, p, impl, shared_over_first_dim, None)
-    layout = None if found is None else found.check(x.shape, "x", impl, shared_over_first_dim)
-    return DrawnDropout(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim, layout)
+    sharding_text = None if sharding is None else sharding.check(x.shape, "x", impl, shared_over_first_dim)
+    return DrawnDropout(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim,
+                        sharding_text)
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None,
@@ -199,7 +206,7 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(residual.shape)} on {residual.device}")
-    drawn = _draw_dropout(x, p, training, seed, generator, impl, False, sharding.resolve(x))
+    drawn = draw_dropout(x, p, training, seed, generator, impl, False, sharding.resolve(x))
     return x + residual if drawn is None else drawn.added_to(residual)
 
 
@@ -253,7 +260,7 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
         raise TypeError(f"value must have weights' dtype {weights.dtype}, got {value.dtype}")
     if value.device != weights.device:
         raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
-    drawn = _draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
+    drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
     return torch.matmul(weights, value) if drawn is None else drawn.multiplied_by(value)
 
 
@@ -294,8 +301,7 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
         output = x * 0
     else:
         key_data = seeds.draw(seed, generator, bridge.device_of(x))
-        scale = dropout_op.apply(x.new_ones(channels), key_data, p, impl, False, None,
-                                 None, None)
+        scale = dropout_ops.apply(x.new_ones(channels), key_data, p=p, impl=impl)
         output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
     return x.copy_(output) if inplace else output
 
@@ -403,13 +409,15 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         >>> output.sum().backward()
     """
     _checks.check_float_tensor(x, "x")
-    return _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, sharding.resolve(x, mesh, partition_spec))
+    return indrnn_under_sharding(x, weight, h0, nonlinearity=nonlinearity, batch_first=batch_first, lengths=lengths,
+                                 sharding=sharding.resolve(x, mesh, partition_spec))
 
 
-def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, found):
-    """:func:`indrnn` of a float tensor ``x`` whose sharding is resolved (``found``: a
-    :class:`~torch_pallas.sharding.Sharding` of ``x`` as given, or ``None``): the path of the
-    function and of the module, which resolves its own when it is built."""
+def indrnn_under_sharding(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None, *, nonlinearity: str,
+                          batch_first: bool, lengths, sharding: Optional[Sharding]):
+    """:func:`indrnn` of a float tensor ``x`` whose ``sharding`` (of ``x`` as given; ``None``:
+    the kernels run on the whole tensor) is resolved: the path of the function and of the
+    module, which resolves its own when it is built."""
     check_nonlinearity(nonlinearity)
     _checks.check_float_tensor(weight, "weight")
     if x.dim() != 3:
@@ -428,14 +436,15 @@ def _indrnn(x, weight, h0, nonlinearity, batch_first, lengths, found):
             raise ValueError(f"h0 must have shape ({batch}, {features}) to match x, got {tuple(h0.shape)}")
     if lengths is not None:
         lengths = _checks.check_lengths(lengths, x.device, *time_major.shape[:2])
-    layout = None
-    if found is not None:
-        found.check(x.shape, "x")
+    time_major_sharding_text = None
+    if sharding is not None:
+        sharding.check(x.shape, "x")
         time = 1 if batch_first else 0
-        if found.tiles[time] > 1:
+        if sharding.tiles[time] > 1:
             raise ValueError(
-                f"x is split along time into {found.tiles[time]} shards; IndRNN runs each sequence's steps in "
+                f"x is split along time into {sharding.tiles[time]} shards; IndRNN runs each sequence's steps in "
                 "order on one device: shard x over batch and/or features only")
-        layout = (found.permute((1, 0, 2)) if batch_first else found).text
-    output, h_n = indrnn_op.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity, layout)
+        time_major_sharding_text = (sharding.permute((1, 0, 2)) if batch_first else sharding).text
+    output, h_n = indrnn_ops.apply(time_major.contiguous(), weight, h0, lengths, nonlinearity=nonlinearity,
+                                   sharding_text=time_major_sharding_text)
     return (output.transpose(0, 1) if batch_first else output), h_n

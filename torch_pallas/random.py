@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
-from torch_pallas.ops import sampling as sampling_op
+from torch_pallas.ops import sampling as sampling_ops
 
 __all__ = ["uniform", "normal", "bernoulli", "get_default_impl", "set_default_impl"]
 
@@ -68,9 +68,10 @@ def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mes
     shape = _checks.check_shape(shape)
     p, impl = _checks.noise_arguments(p, impl, seed, generator)
     device = bridge.device_or_default(device)
-    found = sharding.resolve(None, mesh, partition_spec)
-    layout = None if found is None else found.check(shape, "shape", impl)
-    return sampling_op.sample(seeds.draw(seed, generator, device), shape, distribution, dtype, p, impl, layout)
+    output_sharding = sharding.resolve(None, mesh, partition_spec)
+    sharding_text = None if output_sharding is None else output_sharding.check(shape, "shape", impl)
+    return sampling_ops.sample(seeds.draw(seed, generator, device), shape, distribution=distribution, dtype=dtype, p=p,
+                              impl=impl, sharding_text=sharding_text)
 
 
 def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,

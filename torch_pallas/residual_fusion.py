@@ -31,7 +31,7 @@ from torch.autograd import forward_ad
 
 from torch_pallas import bridge, functional, sharding
 from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
-from torch_pallas.ops import dropout_matmul as dropout_matmul_op
+from torch_pallas.ops import dropout_matmul as dropout_matmul_ops
 
 __all__ = ["BACKEND", "backend", "fuse_residual_dropouts"]
 
@@ -53,7 +53,7 @@ _draws = itertools.count()
 def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
     """``torch_pallas.dropout(x, p, training, impl=impl)`` whose output, on tensors that run
     lazily, remembers its drawn key and the versions of ``x`` and itself, for :func:`fused_add`."""
-    drawn = functional._draw_dropout(x, p, training, None, None, impl, False, sharding.resolve(x))
+    drawn = functional.draw_dropout(x, p, training, None, None, impl, False, sharding.resolve(x))
     if drawn is None:
         return x
     output = drawn.output()
@@ -151,7 +151,7 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
     if (scores is not None and drawn.key_data is not None
             and dropout_matmul_kernels.rows_fit(*scores.shape[-2:], drawn.impl)):
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
-        return dropout_matmul_op.apply(scores, args[1], drawn.key_data, drawn.p, drawn.impl, True)
+        return dropout_matmul_ops.apply(scores, args[1], drawn.key_data, p=drawn.p, impl=drawn.impl, softmax=True)
     return drawn.multiplied_by(args[1])
 
 
@@ -173,11 +173,11 @@ def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
                     and isinstance(residual, torch.fx.Node)
                     and _addable_in_one_kernel(dropped.meta.get("val"), residual.meta.get("val"))):
                 continue
-            x, key_data, p, impl, shared_over_first_dim, *_, layout = _dropout_arguments(dropped)
+            x, key_data, p, impl, shared_over_first_dim, *_, sharding_text = _dropout_arguments(dropped)
             if shared_over_first_dim:
                 continue
             with graph.inserting_before(add):
-                total = graph.call_function(dropout_add, (x, residual, key_data, p, impl, layout))
+                total = graph.call_function(dropout_add, (x, residual, key_data, p, impl, sharding_text))
             total.meta.update(add.meta)
             add.replace_all_uses_with(total)
             graph.erase_node(add)
@@ -222,13 +222,13 @@ def backend(graph_module: torch.fx.GraphModule, example_inputs):
     """
     from torch._dynamo.backends.common import aot_autograd
 
-    xla = bridge.front_end("xla")
-    if xla is None:
+    compiler = bridge.graph_compiler()
+    if compiler is None:
         raise RuntimeError(f"torch.compile(backend={BACKEND!r}) compiles with torch_xla, which is not installed; "
                            "on torchax, jit a step run under torch_pallas.route_dropout(fuse_residual=True)")
 
     def fused_then_compiled(graph, inputs):
         fuse_residual_dropouts(graph)
-        return xla.compile_aot_graph(graph, inputs)
+        return compiler.compile_aot_graph(graph, inputs)
 
     return aot_autograd(fw_compiler=fused_then_compiled)(graph_module, example_inputs)

@@ -144,4 +144,4 @@ def draw(seed, generator, device: torch.device) -> torch.Tensor:
         return bridge.torch_key_words(generator=generator).to(device)
     if _key_scopes:
         return _key_scopes[-1].next_key().to(device)
-    return bridge.front_end(device.type).draw_key_words(device)
+    return bridge.draw_key_words(device)

@@ -12,7 +12,8 @@ whole tensor and the noise is the unsharded run's, whatever the mesh.
 A sharding is carried as XLA's text for it (``"{devices=[4,1]0,1,2,3}"``, what torch_xla's
 ``_get_xla_sharding_spec`` returns and JAX's ``HloSharding`` prints): a string is what a
 custom op can take. This module is the front-end-neutral part: what a sharding is, whether
-a kernel can follow it, and which front end runs a call.
+a kernel can follow it, and which sharding a call runs under; the front ends run the calls
+(:func:`torch_pallas.bridge.call_sharded`).
 """
 
 from __future__ import annotations
@@ -139,14 +140,6 @@ def with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
     return kernel(key_data, *arrays, shard_offset=shard_offset.reshape(2), **static)
 
 
-def _front_end_of_mesh(mesh):
-    front_end = bridge.default_front_end()
-    wanted = getattr(front_end, "MESH_TYPE_NAME", None)  # None: the CPU-only stack has no meshes
-    if wanted is None or not front_end.is_mesh(mesh):
-        raise TypeError(f"mesh must be a {wanted or 'mesh of an accelerator stack'}, got {type(mesh).__name__}")
-    return front_end
-
-
 def resolve(tensor: Optional[torch.Tensor] = None, mesh=None, partition_spec=None) -> Optional[Sharding]:
     """The sharding a call's kernel runs under: the one ``mesh`` and ``partition_spec`` give a
     tensor (as ``xs.mark_sharding(t, mesh, partition_spec)`` or a JAX ``NamedSharding(mesh,
@@ -169,37 +162,9 @@ def resolve(tensor: Optional[torch.Tensor] = None, mesh=None, partition_spec=Non
     if torch.compiler.is_compiling():
         return None
     if mesh is None and partition_spec is None:
-        if tensor is None:
-            return None
-        front_end = bridge.front_end(tensor.device.type)
-        return None if front_end is None or not hasattr(front_end, "sharding_of") else front_end.sharding_of(tensor)
+        return None if tensor is None else bridge.sharding_of(tensor)
     if mesh is None or partition_spec is None:
         raise ValueError("mesh and partition_spec go together: give both (as to xs.mark_sharding) or neither")
-    front_end = _front_end_of_mesh(mesh)
     if not isinstance(partition_spec, (tuple, list)):
         raise TypeError(f"partition_spec must be a tuple, got {type(partition_spec).__name__}")
-    return front_end.sharding_from_mesh(mesh, partition_spec)
-
-
-def call(jax_function, sharding_text: str, tensors: Sequence[torch.Tensor], in_dims: Sequence[tuple],
-         out_dims: Sequence[tuple], *, noise_shape: Optional[Sequence[int]] = None, **static):
-    """``jax_function`` applied to each device's shards of ``tensors``; returns the outputs
-    put back together, sharded as ``out_dims`` say, with no all-gather.
-
-    ``in_dims[i][k]`` is the dim of the sharding that dim ``k`` of ``tensors[i]`` follows,
-    or ``None`` for a dim every device holds whole (likewise ``out_dims`` for the outputs).
-    With ``noise_shape`` the function is a noise kernel whose first argument is key data
-    (replicated): it gets ``global_shape=noise_shape`` and, as data, its shard's offset in
-    that shape (``shared_over_first_dim`` in ``static``: in ``noise_shape[1:]``).
-    """
-    return bridge.front_end(tensors[0].device.type).call_sharded(
-        jax_function, sharding_text, tensors, in_dims, out_dims, noise_shape, static)
-
-
-def sum_rows_in_order(rows: torch.Tensor, sharding_text: str, dims: tuple, like: torch.Tensor) -> torch.Tensor:
-    """The sum over dim 0 of ``rows``, split as ``dims`` say, in a fixed order, sharded as
-    ``like`` (a parameter whose gradient this is: replicated unless it is sharded).
-
-    The rows are first gathered onto every device (an all-gather of this small tensor only)
-    and summed there, so the result does not depend on a cross-device reduction's order."""
-    return bridge.front_end(rows.device.type).sum_rows_in_order(rows, sharding_text, dims, like)
+    return bridge.sharding_from_mesh(mesh, partition_spec)

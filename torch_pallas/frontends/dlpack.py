@@ -14,12 +14,19 @@ from torch_pallas import bridge
 _DLPACK_ALIGNMENT = 64
 
 
+IMPLEMENTS = (bridge.FrontEnd,)
+
+
 def platform_is_tpu() -> bool:
     return False
 
 
 def default_device() -> torch.device:
     return torch.device("cpu")
+
+
+def check_device_usable(device: torch.device) -> None:
+    """CPU tensors can always be made."""
 
 
 def runs_lazily(tensor: torch.Tensor) -> bool:
@@ -57,3 +64,11 @@ def checkpoint(region, *args, use_reentrant, preserve_rng_state):
     torchax tensors."""
     return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=use_reentrant is not False,
                                              preserve_rng_state=preserve_rng_state)
+
+
+def register_op(op, compute, formula) -> None:
+    """CPU tensors reach a custom op through torch's dispatcher, which knows it already."""
+
+
+def defer_function_to_mode(func, mode_type) -> None:
+    """CPU tensors take no torch function before torch's mode stack does."""

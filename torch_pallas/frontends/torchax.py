@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.utils._python_dispatch
 import torchax
 from torchax import tensor as torchax_tensor
 
@@ -29,6 +30,7 @@ from torch_pallas import bridge
 from torch_pallas.frontends.dlpack import check_use_reentrant, checkpoint  # noqa: F401
 from torch_pallas.sharding import Sharding, with_shard_offset
 
+IMPLEMENTS = (bridge.FrontEnd, bridge.ShardingFrontEnd)
 MESH_TYPE_NAME = "jax.sharding.Mesh"
 
 
@@ -42,6 +44,28 @@ def default_device() -> torch.device:
 
 
 _TORCHAX_TENSORS = (torchax_tensor.Tensor, torchax_tensor.View)
+_TORCHAX_MODES = (torchax_tensor.XLAFunctionMode, torchax_tensor.XLADispatchMode)
+
+
+def _environment_entered() -> bool:
+    """Whether torchax's environment is active: entered (``with env:``, ``enable_globally()``),
+    or its modes on torch's stacks (``env.enabled`` alone reads False after a nested ``with
+    env:`` has exited inside an outer one)."""
+    if torchax.default_env().enabled:
+        return True
+    modes = (*torch.overrides._get_current_function_mode_stack(),
+             *torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+    return any(isinstance(mode, _TORCHAX_MODES) for mode in modes)
+
+
+def check_device_usable(device: torch.device) -> None:
+    """Raises RuntimeError outside torchax's environment for the ``jax`` device, where torch
+    itself would fail ("PyTorch is not linked with support for jax devices") or torchax
+    would refuse to compute."""
+    if device.type == "jax" and not _environment_entered():
+        raise RuntimeError(
+            "torchax tensors (device 'jax') are made and computed inside torchax's environment: run this call "
+            "inside `with torchax.default_env():` or call torchax.enable_globally() first")
 
 
 def runs_lazily(tensor: torch.Tensor) -> bool:
@@ -303,7 +327,7 @@ def _per_shard(jax_function, sharding_text: str, in_dims: tuple, out_dims: tuple
 
 
 def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, noise_shape, static: dict):
-    """:func:`torch_pallas.sharding.call` on torchax tensors: ``jax.shard_map`` over a mesh
+    """:func:`torch_pallas.bridge.call_sharded` on torchax tensors: ``jax.shard_map`` over a mesh
     whose axis ``d`` splits dim ``d``, each device running the kernel on its shards; the
     outputs keep that sharding, with no all-gather."""
     sharding, mesh, names = _mesh(sharding_text)
@@ -321,7 +345,7 @@ def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, n
 
 
 def sum_rows_in_order(rows: torch.Tensor, sharding_text: str, dims: tuple, like: torch.Tensor) -> torch.Tensor:
-    """:func:`torch_pallas.sharding.sum_rows_in_order` on torchax tensors: the rows replicated on
+    """:func:`torch_pallas.bridge.sum_rows_in_order` on torchax tensors: the rows replicated on
     every device (an all-gather of this small tensor only), summed there, then placed as
     ``like``'s array is."""
     _, mesh, _ = _mesh(sharding_text)

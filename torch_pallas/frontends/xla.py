@@ -35,6 +35,9 @@ from torch_pallas import kernels  # noqa: E402,F401
 from torch_pallas.sharding import Sharding, with_shard_offset  # noqa: E402
 
 
+IMPLEMENTS = (bridge.FrontEnd, bridge.ShardingFrontEnd, bridge.GraphCompilingFrontEnd)
+
+
 def _keep_jax_on_cpu_with_the_cpu_client() -> None:
     """On ``PJRT_DEVICE=CPU`` JAX needs only its CPU backend. Without this, an installed
     libtpu (the test extra's TPU compiler) makes JAX try to start a TPU backend at its
@@ -69,6 +72,18 @@ def compile_aot_graph(graph_module: torch.fx.GraphModule, example_inputs):
 @torch.compiler.assume_constant_result  # dynamo cannot trace into torch_xla's C++ bindings
 def default_device() -> torch.device:
     return torch_xla.device()
+
+
+def check_device_usable(device: torch.device) -> None:
+    """XLA tensors can always be made."""
+
+
+def register_op(op, compute, formula) -> None:
+    """XLA tensors reach a custom op through torch's dispatcher, which knows it already."""
+
+
+def defer_function_to_mode(func, mode_type) -> None:
+    """torch_xla takes no torch function before torch's mode stack does."""
 
 
 def draw_key_words(device: torch.device) -> torch.Tensor:
@@ -212,7 +227,7 @@ def _enter(tensor: torch.Tensor, dims: tuple, sharding_text: str) -> torch.Tenso
 
 
 def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, noise_shape, static: dict):
-    """:func:`torch_pallas.sharding.call` on XLA tensors: each device's shards in manual
+    """:func:`torch_pallas.bridge.call_sharded` on XLA tensors: each device's shards in manual
     sharding mode, the outputs put back together with no all-gather."""
     sharding, mesh = _parsed(sharding_text)
     local = [_enter(tensor, tuple(dims), sharding_text) for tensor, dims in zip(tensors, in_dims)]
@@ -236,7 +251,7 @@ def call_sharded(jax_function, sharding_text: str, tensors, in_dims, out_dims, n
 
 
 def sum_rows_in_order(rows: torch.Tensor, sharding_text: str, dims: tuple, like: torch.Tensor) -> torch.Tensor:
-    """:func:`torch_pallas.sharding.sum_rows_in_order` on XLA tensors: the rows gathered onto
+    """:func:`torch_pallas.bridge.sum_rows_in_order` on XLA tensors: the rows gathered onto
     every device (an all-gather of this small tensor only) and summed there."""
     mesh = _parsed(sharding_text)[1]
     gathered = xs.mark_sharding(rows.clone(), mesh, (None, *dims[1:])).global_tensor

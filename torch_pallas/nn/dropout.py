@@ -8,7 +8,7 @@ import logging
 import torch
 
 from torch_pallas import _checks, sharding
-from torch_pallas.functional import _dropout, dropout1d, dropout2d, dropout3d, dropout as dropout_fn
+from torch_pallas.functional import dropout1d, dropout2d, dropout3d, dropout as dropout_fn, dropout_under_sharding
 
 __all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "convert_dropout"]
 
@@ -75,7 +75,8 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         if self.mesh is None:
             return super().forward(input)
         _checks.check_tensor(input, "input")
-        return _dropout(input, self.p, self.training, self.inplace, None, None, self.impl, False, self._sharding)
+        return dropout_under_sharding(input, self.p, self.training, self.inplace, impl=self.impl,
+                                      sharding=self._sharding)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", partition_spec={self.partition_spec!r}" if self.mesh is not None else "")

@@ -9,7 +9,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from torch_pallas import _checks, sharding
-from torch_pallas.functional import _dropout, _indrnn
+from torch_pallas.functional import dropout_under_sharding, indrnn_under_sharding
 from torch_pallas.kernels.arguments import check_positive_int
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
@@ -223,13 +223,15 @@ class IndRNN(torch.nn.Module):
                 if direction == 1:
                     projected = reverse_each(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
-                output, h_n = _indrnn(projected, getattr(self, f"weight_hh{suffix}"), h0, self.nonlinearity, False,
-                                      lengths, self._sharding)
+                output, h_n = indrnn_under_sharding(projected, getattr(self, f"weight_hh{suffix}"), h0,
+                                                    nonlinearity=self.nonlinearity, batch_first=False,
+                                                    lengths=lengths, sharding=self._sharding)
                 directions.append(reverse_each(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
-                sequence = _dropout(sequence, self.dropout, True, False, None, None, None, True, self._sharding)
+                sequence = dropout_under_sharding(sequence, self.dropout, True, False, shared_over_first_dim=True,
+                                                  sharding=self._sharding)
 
         h_n = torch.stack(last_states)
         if packed:

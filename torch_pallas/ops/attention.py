@@ -12,9 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_pallas import bridge, sharding as sharding_
+from torch_pallas import bridge
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import attention as attention_kernels
+from torch_pallas.sharding import Sharding
 
 
 def _blocks(blocks):
@@ -25,10 +26,10 @@ def _mask_operand(attn_mask):
     return () if attn_mask is None else (attn_mask,)
 
 
-def shard_dims(sharding: sharding_.Sharding, query, key, value, attn_mask, mask_grad: bool = False):
+def shard_dims(sharding: Sharding, query, key, value, attn_mask, mask_grad: bool = False):
     """How the operands follow ``sharding``, query's, for a run per shard: (the dims of query's
     batch, which query, key, value and the outputs follow; the mask's dims or ``None``), as
-    :func:`sharding_.call` takes them. Query's batch dims may be split (key and value split
+    :func:`torch_pallas.bridge.call_sharded` takes them. Query's batch dims may be split (key and value split
     with them: GQA heads too); its length and head dims may not.
 
     Raises:
@@ -68,7 +69,7 @@ def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, 
     tensors = [key_data, query, key, value, *extra, *_mask_operand(attn_mask)]
     if sharding_text is None:
         return bridge.call(kernel, *tensors, **static)
-    batch_dims, mask_dims = shard_dims(sharding_.Sharding.parse(sharding_text), query, key, value, attn_mask)
+    batch_dims, mask_dims = shard_dims(Sharding.parse(sharding_text), query, key, value, attn_mask)
 
     def following(rank):
         return (*batch_dims, *(None,) * (rank - len(batch_dims)))
@@ -76,21 +77,21 @@ def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, 
     in_dims = [(None,), *(following(tensor.dim()) for tensor in (query, key, value, *extra)),
                *(() if attn_mask is None else (mask_dims,))]
     out_dims = [following(rank) for rank in output_ranks] + ([mask_dims] if static.get("bias_grad") else [])
-    return sharding_.call(kernel, sharding_text, tensors, in_dims, out_dims, noise_shape=(*query.shape[:-2], 1, 1),
-                          **static)
+    return bridge.call_sharded(kernel, sharding_text, tensors, in_dims, out_dims,
+                               noise_shape=(*query.shape[:-2], 1, 1), **static)
 
 
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+def _compute_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
                blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-               sharding: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       sharding_text: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, float32 row log-sum-exp ``(*batch, L)``) of
     :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked, shapes not
     empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward and the
     backward kernels, or ``None`` for the default; the mask depends on neither.
-    ``sharding``: torch_xla's text for query's SPMD sharding over batch dims; each device
-    runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
-    return _call(attention_kernels.attention_forward, sharding, key_data, query, key, value, (), attn_mask,
+    ``sharding_text``: the text of query's :class:`~torch_pallas.sharding.Sharding` over batch
+    dims; each device runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
+    return _call(attention_kernels.attention_forward, sharding_text, key_data, query, key, value, (), attn_mask,
                  (query.dim(), query.dim() - 1), dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
                  gqa=enable_gqa, blocks=_blocks(blocks))
 
@@ -102,7 +103,7 @@ def output_shapes(query, key, value, attn_mask, enable_gqa):
     return (*problem.batch, problem.L, problem.Ev), (*problem.batch, problem.L)
 
 
-attention = torch.library.custom_op("torch_pallas::attention", _attention, mutates_args=())
+attention = torch.library.custom_op("torch_pallas::attention", _compute_attention, mutates_args=())
 
 
 @attention.register_fake
@@ -111,26 +112,26 @@ def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale,
     return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _compute_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                         key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
                         enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
-                        sharding: Optional[str] = None) -> list[torch.Tensor]:
+                                sharding_text: Optional[str] = None) -> list[torch.Tensor]:
     """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
     float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
-    return list(_call(attention_kernels.attention_backward, sharding, key_data, query, key, value,
+    return list(_call(attention_kernels.attention_backward, sharding_text, key_data, query, key, value,
                       (out, lse, grad_out), attn_mask, (query.dim(),) * 3, dropout_p=dropout_p, impl=impl,
                       causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks), bias_grad=mask_grad))
 
 
-attention_backward_op = torch.library.custom_op("torch_pallas::attention_backward", _attention_backward,
+attention_backward_op = torch.library.custom_op("torch_pallas::attention_backward", _compute_attention_backward,
                                                mutates_args=())
-attention_backward = _autograd.direct(attention_backward_op, _attention_backward)
+attention_backward = _autograd.direct(attention_backward_op, _compute_attention_backward)
 
 
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, impl, is_causal, scale, enable_gqa,
-      blocks, mask_grad, sharding=None):
+      blocks, mask_grad, sharding_text=None):
     grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
     return grads + ([torch.empty_like(attn_mask)] if mask_grad else [])
 
@@ -140,7 +141,7 @@ def _setup_context(ctx, inputs, output):
      backward_blocks) = inputs[:12]
     out, lse = output
     ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
-    ctx.sharding = inputs[-1]
+    ctx.sharding_text = inputs[-1]
     # What the backward recomputes from: no L x S matrix, the mask from its 8-byte key.
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, key_data)
 
@@ -149,19 +150,19 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse, key_data = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     grads = attention_backward(grad_out.contiguous(), query, key, value, attn_mask, out, lse, key_data,
-                               *ctx.options, mask_grad, ctx.sharding)
+                               *ctx.options, mask_grad, ctx.sharding_text)
     grad_mask = grads[3] if mask_grad else None
     return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None
 
 
-_apply = _autograd.differentiable(attention, _attention, public_name="torch_pallas.scaled_dot_product_attention",
+_apply = _autograd.differentiable(attention, _compute_attention, public_name="torch_pallas.scaled_dot_product_attention",
                                   setup_context=_setup_context, backward=_backward)
 
 
 def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-          key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
+          key_data: torch.Tensor, *, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
           blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
-          sharding: Optional[str] = None) -> torch.Tensor:
+          sharding_text: Optional[str] = None) -> torch.Tensor:
     """The output of :func:`attention`, differentiable under autograd, ``torch.func``'s
     reverse-mode transforms and ``torch.compile``."""
     if attn_mask is not None and torch.compiler.is_compiling():
@@ -172,5 +173,5 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         # call gives each layer's saved mask its own value.
         attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
     out, _ = _apply(query, key, value, attn_mask, key_data, dropout_p, impl,
-                    is_causal, scale, enable_gqa, blocks, backward_blocks, sharding)
+                    is_causal, scale, enable_gqa, blocks, backward_blocks, sharding_text)
     return out

@@ -1,8 +1,9 @@
 """``torch_pallas::dropout``: mask from key data, applied in a Pallas kernel; the backward
 kernel regenerates the mask from the same 8-byte key instead of saving it.
 
-:func:`apply` is the differentiable entry point (built by :func:`._autograd.differentiable`
-from the op's one autograd formula, with forward-mode AD and a batching rule)."""
+:func:`apply` (and :func:`apply_add`) is the differentiable entry point (built by
+:func:`._autograd.differentiable` from the op's one autograd formula, with forward-mode AD and
+a batching rule)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,22 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_pallas import bridge, sharding as sharding_
+from torch_pallas import bridge
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout as dropout_kernels
 from torch_pallas.kernels.tiling import ElementwiseBlocks
 
 
-def _dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
-             blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-             sharding: Optional[str] = None) -> torch.Tensor:
+def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
+                     blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
+                     sharding_text: Optional[str] = None) -> torch.Tensor:
     """``where(bernoulli(key, 1 - p), x / (1 - p), x * 0)``; arguments pre-checked.
 
     ``shared_over_first_dim`` draws one mask of shape ``x.shape[1:]`` for every index of
     the first dim. ``blocks`` / ``backward_blocks`` ((rows, cols) of the kernel's 2-D view,
     or ``None`` for the default) are chosen independently; the mask depends on neither.
-    ``sharding`` (torch_xla's text for x's SPMD sharding): the kernel runs on each device's
-    shard, which gets its part of the unsharded mask (:mod:`torch_pallas.sharding`).
+    ``sharding_text`` (the text of x's :class:`~torch_pallas.sharding.Sharding`): the kernel
+    runs on each device's shard, which gets its part of the unsharded mask.
     A float64 ``x`` gets the float32 kernel's mask, applied in float64 outside the kernel.
     """
     if x.numel() == 0:
@@ -35,15 +36,15 @@ def _dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, share
         # ones_like, not torch.ones(device=...): torchax's dispatch mode makes a factory call's
         # tensor a torchax one, even for a CPU x
         ones = torch.ones_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
-        keep = _dropout(ones, key_data, p, impl, shared_over_first_dim, blocks,
-                        backward_blocks, sharding) != 0
+        keep = _compute_dropout(ones, key_data, p, impl, shared_over_first_dim, blocks,
+                                backward_blocks, sharding_text) != 0
         return torch.where(keep, x / (1 - p), x * 0)
     options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
                    shared_over_first_dim=shared_over_first_dim)
-    if sharding is not None:
+    if sharding_text is not None:
         dims = tuple(range(x.dim()))
-        return sharding_.call(dropout_kernels.dropout, sharding, [key_data, x], [(None,), dims], [dims],
-                              noise_shape=x.shape, **options)
+        return bridge.call_sharded(dropout_kernels.dropout, sharding_text, [key_data, x], [(None,), dims], [dims],
+                                   noise_shape=x.shape, **options)
     return _in_layout_of(x, bridge.call(dropout_kernels.dropout, key_data, x, **options))
 
 
@@ -61,7 +62,7 @@ def _empty_in_layout_of(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x) if x.device.type == "cpu" else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-dropout = torch.library.custom_op("torch_pallas::dropout", _dropout, mutates_args=())
+dropout = torch.library.custom_op("torch_pallas::dropout", _compute_dropout, mutates_args=())
 
 
 @dropout.register_fake
@@ -70,25 +71,25 @@ def _(x, key_data, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding = inputs
+    _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding_text = inputs
     ctx.save_for_backward(key_data)  # 8 bytes: the mask is regenerated, not stored
     ctx.save_for_forward(key_data)
 
 
 def _backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = apply(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding)
+    grad_x = _apply(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding_text)
     return grad_x, None, None, None, None, None, None, None
 
 
 def _jvp(ctx, grad_x, *_):
     # Dropout is linear in x: the tangent goes through the same mask.
     (key_data,) = ctx.saved_tensors
-    return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding)
+    return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding_text)
 
 
 def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
-                     sharding=None):
+                     sharding_text=None):
     # A batched sample is not the tensor the sharding describes: vmap runs on whole tensors.
     x_dim, key_dim = in_dims[:2]
     options = (p, impl)
@@ -109,29 +110,34 @@ def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim,
 dropout.register_vmap(_batched_dropout)
 
 
-apply = _autograd.differentiable(dropout, _dropout, public_name="torch_pallas.dropout", setup_context=_setup_context,
-                                 backward=_backward, jvp=_jvp)
-apply.__doc__ = """:func:`dropout`, differentiable under autograd, ``torch.func`` (grad, vjp, jvp,
-vmap) and ``torch.compile``: ``apply(x, key_data, p, impl, shared_over_first_dim, blocks,
-backward_blocks, sharding)``, every argument given."""
+_apply = _autograd.differentiable(dropout, _compute_dropout, public_name="torch_pallas.dropout",
+                                  setup_context=_setup_context, backward=_backward, jvp=_jvp)
 
 
-def _dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
-                 sharding: Optional[str] = None) -> torch.Tensor:
+def apply(x: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str, shared_over_first_dim: bool = False,
+          blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
+          sharding_text: Optional[str] = None) -> torch.Tensor:
+    """The op :data:`dropout` (its arguments as :func:`_compute_dropout` takes them), differentiable
+    under autograd, ``torch.func`` (grad, vjp, jvp, vmap) and ``torch.compile``."""
+    return _apply(x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks, sharding_text)
+
+
+def _compute_dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+                         sharding_text: Optional[str] = None) -> torch.Tensor:
     """``residual + dropout(x, key_data, p, impl)`` in one kernel (x and residual of one shape
     and dtype; pre-checked). Its backward is :func:`dropout` on the gradient."""
     if x.numel() == 0:
         return torch.empty_like(x)
     if x.dtype == torch.float64:
-        return residual + _dropout(x, key_data, p, impl, False, None, None, sharding)
-    if sharding is not None:
+        return residual + _compute_dropout(x, key_data, p, impl, False, None, None, sharding_text)
+    if sharding_text is not None:
         dims = tuple(range(x.dim()))
-        return sharding_.call(dropout_kernels.dropout_add, sharding, [key_data, x, residual], [(None,), dims, dims],
-                              [dims], noise_shape=x.shape, p=p, impl=impl)
+        return bridge.call_sharded(dropout_kernels.dropout_add, sharding_text, [key_data, x, residual],
+                                   [(None,), dims, dims], [dims], noise_shape=x.shape, p=p, impl=impl)
     return bridge.call(dropout_kernels.dropout_add, key_data, x, residual, p=p, impl=impl)
 
 
-dropout_add = torch.library.custom_op("torch_pallas::dropout_add", _dropout_add, mutates_args=())
+dropout_add = torch.library.custom_op("torch_pallas::dropout_add", _compute_dropout_add, mutates_args=())
 
 
 @dropout_add.register_fake
@@ -140,19 +146,19 @@ def _(x, residual, key_data, *options):
 
 
 def _add_setup_context(ctx, inputs, output):
-    _, _, key_data, ctx.p, ctx.impl, ctx.sharding = inputs
+    _, _, key_data, ctx.p, ctx.impl, ctx.sharding_text = inputs
     ctx.save_for_backward(key_data)  # 8 bytes, as dropout's
     ctx.save_for_forward(key_data)
 
 
 def _add_backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = apply(grad_output, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
+    grad_x = apply(grad_output, key_data, p=ctx.p, impl=ctx.impl, sharding_text=ctx.sharding_text)
     return grad_x, grad_output, None, None, None, None
 
 
 @dropout_add.register_vmap
-def _(info, in_dims, x, residual, key_data, p, impl, sharding=None):
+def _(info, in_dims, x, residual, key_data, p, impl, sharding_text=None):
     x_dim, residual_dim, key_dim = in_dims[:3]
     dropped, _ = _batched_dropout(info, (x_dim, key_dim), x, key_data, p, impl, False, None, None)
     residual = residual.movedim(residual_dim, 0) if residual_dim is not None else residual
@@ -161,13 +167,19 @@ def _(info, in_dims, x, residual, key_data, p, impl, sharding=None):
 
 def _add_jvp(ctx, grad_x, grad_residual, *_):
     (key_data,) = ctx.saved_tensors
-    tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None, ctx.sharding)
+    tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None,
+                                                  ctx.sharding_text)
     if grad_residual is None:
         return tangent
     return grad_residual if tangent is None else tangent + grad_residual
 
 
-apply_add = _autograd.differentiable(dropout_add, _dropout_add, public_name="torch_pallas.dropout_add",
-                                     setup_context=_add_setup_context, backward=_add_backward, jvp=_add_jvp)
-apply_add.__doc__ = """:func:`dropout_add`, differentiable under autograd, ``torch.func`` and
-``torch.compile``: ``apply_add(x, residual, key_data, p, impl, sharding)``."""
+_apply_add = _autograd.differentiable(dropout_add, _compute_dropout_add, public_name="torch_pallas.dropout_add",
+                                      setup_context=_add_setup_context, backward=_add_backward, jvp=_add_jvp)
+
+
+def apply_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
+              sharding_text: Optional[str] = None) -> torch.Tensor:
+    """The op :data:`dropout_add`, differentiable under autograd, ``torch.func`` and
+    ``torch.compile``."""
+    return _apply_add(x, residual, key_data, p, impl, sharding_text)

@@ -13,8 +13,8 @@ from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
 
 
-def _dropout_matmul(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, p: float,
-                    impl: str, softmax: bool = False) -> torch.Tensor:
+def _compute_dropout_matmul(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, p: float,
+                            impl: str, softmax: bool = False) -> torch.Tensor:
     """``dropout(weights, p) @ value`` (weights ``(*batch, L, S)``, value ``(*batch, S, Ev)``, one
     float dtype; pre-checked); with ``softmax`` the weights are scores:
     ``dropout(softmax(weights, -1), p) @ value``."""
@@ -24,7 +24,7 @@ def _dropout_matmul(weights: torch.Tensor, value: torch.Tensor, key_data: torch.
                        softmax=softmax)
 
 
-dropout_matmul = torch.library.custom_op("torch_pallas::dropout_matmul", _dropout_matmul, mutates_args=())
+dropout_matmul = torch.library.custom_op("torch_pallas::dropout_matmul", _compute_dropout_matmul, mutates_args=())
 
 
 @dropout_matmul.register_fake
@@ -32,8 +32,9 @@ def _(weights, value, key_data, p, impl, softmax=False):
     return weights.new_empty((*weights.shape[:-1], value.shape[-1]))
 
 
-def _dropout_matmul_backward(grad_out: torch.Tensor, weights: torch.Tensor, value: torch.Tensor,
-                             key_data: torch.Tensor, p: float, impl: str, softmax: bool = False) -> list[torch.Tensor]:
+def _compute_dropout_matmul_backward(grad_out: torch.Tensor, weights: torch.Tensor, value: torch.Tensor,
+                                     key_data: torch.Tensor, p: float, impl: str,
+                                     softmax: bool = False) -> list[torch.Tensor]:
     """The gradients of :func:`dropout_matmul` for the weights (with ``softmax``, the scores)
     and the value."""
     if weights.numel() == 0 or value.numel() == 0:
@@ -43,8 +44,8 @@ def _dropout_matmul_backward(grad_out: torch.Tensor, weights: torch.Tensor, valu
 
 
 dropout_matmul_backward_op = torch.library.custom_op("torch_pallas::dropout_matmul_backward",
-                                                     _dropout_matmul_backward, mutates_args=())
-dropout_matmul_backward = _autograd.direct(dropout_matmul_backward_op, _dropout_matmul_backward)
+                                                     _compute_dropout_matmul_backward, mutates_args=())
+dropout_matmul_backward = _autograd.direct(dropout_matmul_backward_op, _compute_dropout_matmul_backward)
 
 
 @dropout_matmul_backward_op.register_fake
@@ -66,8 +67,12 @@ def _backward(ctx, grad_out):
     return grad_weights, grad_value, None, None, None, None
 
 
-apply = _autograd.differentiable(dropout_matmul, _dropout_matmul, public_name="torch_pallas.dropout_matmul",
-                                 setup_context=_setup_context, backward=_backward)
-apply.__doc__ = """:func:`dropout_matmul`, differentiable under autograd, ``torch.func``'s reverse
-mode and ``torch.compile``: ``apply(weights, value, key_data, p, impl, softmax)``, every argument
-given."""
+_apply = _autograd.differentiable(dropout_matmul, _compute_dropout_matmul, public_name="torch_pallas.dropout_matmul",
+                                  setup_context=_setup_context, backward=_backward)
+
+
+def apply(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
+          softmax: bool = False) -> torch.Tensor:
+    """The op :data:`dropout_matmul`, differentiable under autograd, ``torch.func``'s reverse
+    mode and ``torch.compile``."""
+    return _apply(weights, value, key_data, p, impl, softmax)
