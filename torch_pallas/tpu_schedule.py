@@ -211,7 +211,7 @@ def _scalar_ops(text):
         if not match:
             continue
         dest, name, rest = match.groups()
-        if name == "sld" and "/* core id */" in raw:
+        if name == "sld" and "core id */" in raw:  # libtpu 0.0.52: "/* megacore core id :: core id */"
             # The TensorCore's index (v5p's megacore splits "parallel" grids over two): count core 0's work.
             ops.append((dest, "smov", None, [("imm", 0)]))
             continue
@@ -394,7 +394,7 @@ class _ScalarUnit:
         if opcode == "sld":
             address = _address(operands[0], self.registers) if operands[0][0] == "mem" else None
             result = self.memory.get(address)
-        elif opcode in ("smov", "pmov"):
+        elif opcode in ("smov", "smov.u32", "pmov"):  # libtpu 0.0.21 writes smov, 0.0.52 smov.u32
             result = self.value(operands[0]) if operands else None
         elif opcode == "pneg":
             flag = self.value(operands[0])

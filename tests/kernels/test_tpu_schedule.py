@@ -68,6 +68,31 @@ def test_a_branch_on_known_values_is_taken_after_its_delay_slots():
     assert tpu_schedule.executed_schedule(FORWARD_BRANCH, "v5e")["counts"] == [1] * 6
 
 
+# A loop of three iterations behind a branch on the TensorCore's index (core 0 runs it), worded as
+# libtpu 0.0.52 words it (copied from its IndRNN kernel's dump, cut down), and as 0.0.21 does.
+LOOP_0_0_52 = """\
+     0   :  { %s6_s15 = sld [smem:[#allocation0]] /* megacore core id :: core id */ }
+   0x1   :  { %p7_p0 = scmp.ne.s32.totalorder %s6_s15, 0  ;;  %s641_s1 = smov.u32 0 /* copy for cssa */ }
+   0x2   :  { %16 = sbr.rel (%p7_p0) target = $region9 }
+   0x3   :  {}
+   0x4 LB: > { %s82_s1 = sadd.s32 1, %s587_s1 /* copy for cssa */  ;;  %s587_s1 = sphi %s641_s1, %s82_s1 } /* Start region 5 */
+   0x5   : > { %p79_p0 = scmp.ge.s32.totalorder %s82_s1, 3 /* loop exit test */ }
+   0x6   :  { %81 = sbr.rel (!%p79_p0) target = $region5 }
+   0x7   : > { %v9_v0 = vadd.f32 %v9_v0, %v9_v0 } /* End region 5 */
+   0x8 PF:  {} /* Start/End empty region 9 */
+"""
+LOOP_0_0_21 = (LOOP_0_0_52.replace("megacore core id :: core id", "core id").replace("smov.u32", "smov")
+               .replace("target = $region9", "target bundleno = 8 (0x8), region = 9")
+               .replace("target = $region5", "target bundleno = 4 (0x4), region = 5"))
+
+
+@pytest.mark.parametrize("dump", [LOOP_0_0_21, LOOP_0_0_52], ids=["libtpu-0.0.21", "libtpu-0.0.52"])
+def test_a_loop_is_followed_as_either_libtpu_words_it(dump):
+    # v4: one delay slot after each branch; the loop body (bundles 4 to 7) runs three times.
+    run = tpu_schedule.executed_schedule(dump, "v4")
+    assert run["counts"] == [1, 1, 1, 1, 3, 3, 3, 3, 1] and run["bundles"] == 17
+
+
 @compiles_for_tpu
 def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     """tests/estimates/: an XLA-only program is the sum of its fusions and grows with its size;
