@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from common import markdown_table
 from torch_pallas import tpu_compile, tpu_schedule
 from torch_pallas.kernels import attention
-from torch_pallas.tpu_schedule import HARDWARE, executed_schedule, static_schedule
+from torch_pallas.tpu_schedule import HARDWARE, executed_or_static_schedule, static_schedule
 
 SHAPES = ((2, 8, 2048, 64), (2, 8, 2048, 128))
 DTYPE = "bfloat16"
@@ -167,10 +167,18 @@ def measure(compile_program, generation):
         peak = compile_program()
         seconds = time.perf_counter() - start
     bundles, parts = tpu_peers.program_schedule(dumps, generation)
-    kernels = [(label, executed_schedule(dump, generation, name=label), static_schedule(dump)["grid_trip"])
+    kernels = [(label, *executed_or_static_schedule(dump, generation, name=label), _grid_trip(dump))
                for label, dump in tpu_schedule.kernel_dumps(dumps).items()]
     return dict(seconds=seconds, peak=peak, bundles=bundles, parts=parts,
                 hbm=tpu_schedule.hbm_bytes(tpu_schedule.optimized_hlo(dumps)), kernels=kernels)
+
+
+def _grid_trip(dump):
+    """The kernel's grid steps, or ``None`` where static_schedule cannot read its loops (as estimate)."""
+    try:
+        return static_schedule(dump)["grid_trip"]
+    except (StopIteration, ValueError):
+        return None
 
 
 def _compile_jax(function, args, generation):
@@ -320,20 +328,23 @@ def report(results, errors, generations):
                 label = (shape, False, "forward", program, generation)
                 if label not in results or not results[label]["kernels"]:
                     continue
-                name, run, trip = results[label]["kernels"][0]
+                name, run, followed, trip = results[label]["kernels"][0]
                 steps = _grid_steps(program, shape, False)
                 cores = max(1, round(steps / trip)) if trip else 1
                 per = 1024 / (B * H * L * L / cores)  # per score element: a vector op acts on 1024 32-bit lanes
-                units = unit_ops(run)
+                units = unit_ops(run) if followed else {}
                 rows.append([str(shape), generation, program, f"{cores}",
-                             f"{run['bundles'] * per:.2f}", f"{_us(run['bundles'], generation):.0f}"]
-                            + [f"{units[u] * per:.2f}" for u in UNITS])
+                             f"{run['bundles'] * per:.2f}" + ("" if followed else " (static)"),
+                             f"{_us(run['bundles'], generation):.0f}"]
+                            + [f"{units[u] * per:.2f}" if followed else "—" for u in UNITS])
     lines.append("**The forward kernels, per 1024 score elements** (non-causal; ops issued per TensorCore "
                  "divided by the B·H·L·S / cores score elements it computes, x 1024: one vector op acts "
                  "on 8 x 128 32-bit lanes): bundles (the schedule), and vector ops by unit. VALU: the "
                  "vector ALUs (4 slots per bundle, 2 on v4); EUP: transcendental pushes and result pops "
                  "(exp); MXU: matrix pushes, matmuls and result pops; XLU: permutes and lane reductions; "
-                 "vld / vst: VMEM loads and stores.\n")
+                 "vld / vst: VMEM loads and stores. A kernel whose branches depend on data (which "
+                 "`executed_schedule` cannot follow) shows its static schedule, every conditional region "
+                 "counted, marked (static), and no units.\n")
     lines.append(markdown_table(["(B, H, L, E)", "gen", "kernel", "cores", "bundles", "kernel µs", *UNITS], rows))
     lines.append("")
     if errors:

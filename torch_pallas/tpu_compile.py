@@ -6,8 +6,10 @@ Mosaic's own passes: what a TPU would reject (unsupported types, layouts, VMEM o
 fails here too. ``jax.export`` stops before those passes and passed kernels that libtpu
 rejects. Needs the ``libtpu`` package (``pip install torch-pallas[test]``); :data:`GENERATIONS` are
 the generations it knows. Importing the kernels pins the Mosaic IR version where the JAX
-version needs it (:mod:`torch_pallas.kernels.compat`). Importing this module imports neither
-torch nor torch_xla (:func:`compile_graph` and :func:`lowering_for_tpu` are torch_xla's).
+version needs it (:mod:`torch_pallas.kernels.compat`). Only :func:`compile_graph` and
+:func:`lowering_for_tpu` (torch_xla's) need torch, and import it when called: in a process
+without torch this module imports alone. Where torch is installed, importing any part of
+torch_pallas imports torch first (the package starts torch_xla's client before JAX: :mod:`torch_pallas`).
 
 Example::
 

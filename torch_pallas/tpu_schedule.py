@@ -10,6 +10,8 @@ torch, no JAX):
 
 - :func:`static_schedule`: one kernel's bundles with every loop counted per iteration;
 - :func:`executed_schedule`: bundles issued by one run, following the scalar unit's control flow;
+- :func:`executed_or_static_schedule`: that, or the static schedule where the control flow branches on data
+  (what :func:`estimate` counts);
 - :func:`hbm_bytes_by_instruction`: HBM bytes each instruction of the optimised HLO moves;
 - :func:`estimate`: the whole program's time, a :class:`StepEstimate`;
 - :data:`HARDWARE`: each generation's HBM bandwidth, clock, vector-ALU slots and branch delay slots.
@@ -22,6 +24,7 @@ are the compiler's schedule, not measurements.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Mapping, Optional
@@ -208,7 +211,7 @@ def _scalar_ops(text):
         if not match:
             continue
         dest, name, rest = match.groups()
-        if name == "sld" and "/* core id */" in raw:
+        if name == "sld" and "core id */" in raw:  # libtpu 0.0.52: "/* megacore core id :: core id */"
             # The TensorCore's index (v5p's megacore splits "parallel" grids over two): count core 0's work.
             ops.append((dest, "smov", None, [("imm", 0)]))
             continue
@@ -254,6 +257,65 @@ def _scalar_ops(text):
     return ops
 
 
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    """One final_bundles dump, decoded for :func:`executed_schedule`.
+
+    Per bundle, in dump order: ``texts`` (its line), ``loop_heads`` (whether it starts a loop
+    body, an "LB" bundle), ``ops`` (its op names) and ``scalar_ops`` (what the interpreter runs,
+    :func:`_scalar_ops`); ``next_scalar[i]`` is the first bundle at or after ``i`` with a scalar op
+    (the bundle count where none is); ``regions`` maps a region number to the bundles marking it.
+    """
+
+    texts: tuple
+    loop_heads: tuple
+    ops: tuple
+    scalar_ops: tuple
+    next_scalar: tuple
+    regions: dict
+
+
+def _decode(dump):
+    bundles = _bundles(dump)
+    texts = tuple(text for _, _, _, text in bundles)
+    scalar_ops = tuple(_scalar_ops(text) for text in texts)
+    next_scalar = [len(texts)] * (len(texts) + 1)
+    for i in range(len(texts) - 1, -1, -1):
+        next_scalar[i] = i if scalar_ops[i] else next_scalar[i + 1]
+    # A branch names the region it goes to: a branch back, the loop whose head starts that region (an
+    # "LB" bundle, "Start region N"); a branch forward, around a skipped region, the empty region that
+    # marks where it lands ("Start/End empty region N", a "PF" bundle).
+    regions = {}
+    for i, text in enumerate(texts):
+        for region in re.findall(r"Start(?:/End empty)? region (\d+)\b", text):
+            regions.setdefault(int(region), []).append(i)
+    return _Decoded(texts=texts, loop_heads=tuple(head for _, head, _, _ in bundles),
+                    ops=tuple(ops for _, _, ops, _ in bundles), scalar_ops=scalar_ops,
+                    next_scalar=tuple(next_scalar), regions=regions)
+
+
+def _branch_target(decoded, pc, bundleno, region, name):
+    """The bundle index the branch at bundle ``pc`` goes to: ``region`` is the region it names, and
+    ``bundleno`` its target's bundle number (``None`` where the dump names the region alone). A
+    "bundleno" is not the dump's bundle index: it counts instruction words, and long bundles take
+    more than one; it says only whether the branch goes back or forward."""
+    here = int(decoded.texts[pc].split()[0], 0)
+    candidates = decoded.regions.get(region, [])
+    back = [i for i in candidates if i <= pc and decoded.loop_heads[i]]
+    forward = [i for i in candidates if i > pc]
+    if bundleno is None:
+        # Without a bundle number, the region's mark says the direction: the empty region a
+        # forward branch lands on, or the loop head a branch back returns to.
+        bundleno = here + (1 if forward or not back else 0)
+    if bundleno <= here and back:
+        return back[-1]
+    if bundleno > here and forward:
+        return forward[0]
+    if bundleno > here and "exit bundle" in decoded.texts[-1]:
+        return len(decoded.texts) - 1  # a branch to the program's end (v5p: the second TensorCore skipping a fusion)
+    raise ValueError(f"{name}: no target for the branch at bundle {pc} (bundle number {bundleno}, region {region})")
+
+
 def _address(operand, registers):
     """An SMEM address's key: its allocation text, with a register's value where it has one."""
     text = operand[1]
@@ -262,6 +324,126 @@ def _address(operand, registers):
         value = registers.get(register.group(1))
         return None if value is None else f"{value}{register.group(2)}"
     return text
+
+
+class _ScalarUnit:
+    """The sequencer's state while :func:`executed_schedule` runs a dump called ``name``: its
+    registers, its SMEM words, and the bytes its DMAs moved to and from HBM (``None`` once a
+    DMA's size is not a constant). ``None`` stands for a value it cannot know."""
+
+    def __init__(self, name):
+        self.name = name
+        self.registers, self.memory = {}, {}
+        self.dma_bytes = 0
+
+    def value(self, operand):
+        kind, content = operand
+        if kind == "imm":
+            return content
+        if kind == "reg":
+            return self.registers.get(content)
+        return None
+
+    def issue(self, decoded, pc):
+        """Runs bundle ``pc``'s scalar ops (each reads the registers as the bundle found them) and
+        returns its branch as (its target if taken, else ``None``), or ``None`` without one.
+
+        Raises:
+            ValueError: a branch on an unknown predicate, or one whose target the dump does not mark.
+        """
+        writes, branch = [], None
+        for op in decoded.scalar_ops[pc]:
+            if op[0] == "dma":
+                self._count_dma(*op[1:])
+            elif op[0] == "sbr":
+                taken = self._branch_taken(op[1], pc)
+                branch = (_branch_target(decoded, pc, *op[2], self.name) if taken else None,)
+            else:
+                writes.extend(self._scalar(*op))
+        for dest, result in writes:
+            if isinstance(dest, tuple):
+                self.memory[dest[1]] = result
+            else:
+                self.registers[dest] = result
+        return branch
+
+    def _count_dma(self, predicate, size):
+        flag = None if predicate is None else self.registers.get(predicate[1])
+        if flag is None or bool(flag) != predicate[0]:
+            self.dma_bytes = None if self.dma_bytes is None or size is None else self.dma_bytes + size
+
+    def _branch_taken(self, predicate, pc):
+        if predicate is None:
+            return True
+        flag = self.registers.get(predicate[1])
+        if flag is None:
+            raise ValueError(f"{self.name}: the branch at bundle {pc} depends on an unknown predicate ({predicate[1]})")
+        return (not flag) if predicate[0] else bool(flag)
+
+    def _scalar(self, dest, opcode, predicate, operands):
+        """The writes ([(register or ("mem", address), value)]) of one scalar op."""
+        if predicate is not None:
+            flag = self.registers.get(predicate[1])
+            if flag is None:
+                return [] if dest is None else [(dest, None)]
+            if flag == predicate[0]:  # (!p) with p true, or (p) with p false: the op does not issue
+                return []
+        if opcode == "sst":
+            address = _address(operands[0], self.registers)
+            return [] if address is None else [(("mem", address), self.value(operands[1]))]
+        if opcode == "sld":
+            address = _address(operands[0], self.registers) if operands[0][0] == "mem" else None
+            result = self.memory.get(address)
+        elif opcode in ("smov", "smov.u32", "pmov"):  # libtpu 0.0.21 writes smov, 0.0.52 smov.u32
+            result = self.value(operands[0]) if operands else None
+        elif opcode == "pneg":
+            flag = self.value(operands[0])
+            result = None if flag is None else not flag
+        elif opcode == "scalar_select":
+            flag, on_true, on_false = (self.value(o) for o in operands)
+            result = None if flag is None else (on_true if flag else on_false)
+        elif opcode in _BINARY and len(operands) == 2:
+            a, b = self.value(operands[0]), self.value(operands[1])
+            result = None if a is None or b is None else _BINARY[opcode](a, b)
+        else:
+            result = None  # addresses, pops from vector units, parameters: not needed for control flow
+        return [(dest, result)]
+
+
+_MAX_INTERPRETED_BUNDLES = 10**8
+
+
+def _issued_runs(decoded, unit, delay_slots, name):
+    """Yields ``(first, stop)``: bundles ``first`` to ``stop - 1`` issue, in the order they issue.
+    A branch takes effect after ``delay_slots`` more bundles."""
+    n = len(decoded.texts)
+    pc, pending, steps = 0, None, 0  # pending: [delay slots left, target or None] of a branch issued
+    while pc < n:
+        steps += 1
+        if steps > _MAX_INTERPRETED_BUNDLES:
+            raise ValueError(f"{name}: still running after 10^8 interpreted bundles")
+        if pending is None and not decoded.scalar_ops[pc]:
+            # Straight through the bundles that hold no scalar op.
+            stop = decoded.next_scalar[pc]
+            yield pc, stop
+            pc = stop
+            if pc >= n:
+                break
+        yield pc, pc + 1
+        branch = unit.issue(decoded, pc)
+        if pending is not None:
+            pending[0] -= 1
+        if branch is not None:
+            if pending is not None:
+                raise ValueError(f"{name}: a branch in another branch's delay slots at bundle {pc}")
+            pending = [delay_slots, *branch]
+        pc += 1
+        if pending is not None and pending[0] == 0:
+            target, pending = pending[1], None
+            if target is not None:
+                pc = target
+        elif pending is not None and pending[0] > 0 and pc >= n:
+            break
 
 
 def executed_schedule(dump: str, generation: str, name: str = "the dump") -> dict:
@@ -293,146 +475,35 @@ def executed_schedule(dump: str, generation: str, name: str = "the dump") -> dic
     if generation == "tpu7x":
         raise NotImplementedError("tpu7x: its dumps name a branch's target region without its bundle number, which "
                                   "executed_schedule does not read (v4 to v6e only)")
-    bundles = _bundles(dump)
-    texts = [text for _, _, _, text in bundles]
-    n = len(bundles)
-    # A branch names the region it goes to: a branch back, the loop whose head starts that region (an
-    # "LB" bundle, "Start region N"); a branch forward, around a skipped region, the empty region that
-    # marks where it lands ("Start/End empty region N", a "PF" bundle). (Its "bundleno" is not the dump's
-    # bundle index: it counts instruction words, and long bundles take more than one.)
-    marks = {}
-    for i, text in enumerate(texts):
-        for region in re.findall(r"Start(?:/End empty)? region (\d+)\b", text):
-            marks.setdefault(int(region), []).append(i)
-
-    def target_of(pc, bundleno, region):
-        candidates = marks.get(region, [])
-        back = [i for i in candidates if i <= pc and bundles[i][1]]
-        forward = [i for i in candidates if i > pc]
-        if bundleno is None:
-            # Without a bundle number, the region's mark says the direction: the empty region a
-            # forward branch lands on, or the loop head a branch back returns to.
-            bundleno = int(texts[pc].split()[0], 0) + (1 if forward or not back else 0)
-        if bundleno <= int(texts[pc].split()[0], 0) and back:
-            return back[-1]
-        if bundleno > int(texts[pc].split()[0], 0) and forward:
-            return forward[0]
-        if bundleno > int(texts[pc].split()[0], 0) and "exit bundle" in texts[-1]:
-            return n - 1  # a branch to the program's end (v5p: the second TensorCore skipping a fusion)
-        raise ValueError(f"{name}: no target for the branch at bundle {pc} (bundle number "
-                         f"{bundleno}, region {region})")
-
-    program = [_scalar_ops(text) for text in texts]
-    interesting = [bool(ops) for ops in program]
-    next_interesting = [n] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        next_interesting[i] = i if interesting[i] else next_interesting[i + 1]
-    registers, memory = {}, {}
-    difference = [0] * (n + 1)
-    pc, pending, issued = 0, None, 0
-    dma_bytes = 0
-
-    def value(operand):
-        kind, content = operand
-        if kind == "imm":
-            return content
-        if kind == "reg":
-            return registers.get(content)
-        return None
-
-    steps = 0
-    while pc < n:
-        steps += 1
-        if steps > 10**8:
-            raise ValueError(f"{name}: still running after 10^8 interpreted bundles")
-        if pending is None and not interesting[pc]:
-            # Straight through the bundles that hold no scalar op.
-            stop = next_interesting[pc]
-            difference[pc] += 1
-            difference[stop] -= 1
-            issued += stop - pc
-            pc = stop
-            if pc >= n:
-                break
-        difference[pc] += 1
-        difference[pc + 1] -= 1
-        issued += 1
-        writes, branch = [], None
-        for op in program[pc]:
-            if op[0] == "dma":
-                _, predicate, size = op
-                flag = None if predicate is None else registers.get(predicate[1])
-                if flag is None or bool(flag) != predicate[0]:
-                    dma_bytes = None if dma_bytes is None or size is None else dma_bytes + size
-                continue
-            if op[0] == "sbr":
-                _, predicate, region = op
-                taken = True
-                if predicate is not None:
-                    flag = registers.get(predicate[1])
-                    if flag is None:
-                        raise ValueError(f"{name}: the branch at bundle {pc} depends on an unknown "
-                                         f"predicate ({predicate[1]})")
-                    taken = (not flag) if predicate[0] else bool(flag)
-                branch = (taken, target_of(pc, *region) if taken else None)
-                continue
-            dest, name, predicate, operands = op
-            if predicate is not None:
-                flag = registers.get(predicate[1])
-                if flag is None:
-                    if dest is not None:
-                        writes.append((dest, None))
-                    continue
-                if flag == predicate[0]:  # (!p) with p true, or (p) with p false: the op does not issue
-                    continue
-            if name == "sst":
-                address = _address(operands[0], registers)
-                if address is not None:
-                    writes.append((("mem", address), value(operands[1])))
-                continue
-            if name == "sld":
-                address = _address(operands[0], registers) if operands[0][0] == "mem" else None
-                result = memory.get(address)
-            elif name in ("smov", "pmov"):
-                result = value(operands[0]) if operands else None
-            elif name == "pneg":
-                flag = value(operands[0])
-                result = None if flag is None else not flag
-            elif name == "scalar_select":
-                flag, on_true, on_false = (value(o) for o in operands)
-                result = None if flag is None else (on_true if flag else on_false)
-            elif name in _BINARY and len(operands) == 2:
-                a, b = value(operands[0]), value(operands[1])
-                result = None if a is None or b is None else _BINARY[name](a, b)
-            else:
-                result = None  # addresses, pops from vector units, parameters: not needed for control flow
-            writes.append((dest, result))
-        for dest, result in writes:
-            if isinstance(dest, tuple):
-                memory[dest[1]] = result
-            else:
-                registers[dest] = result
-        if pending is not None:
-            pending[0] -= 1
-        if branch is not None:
-            if pending is not None:
-                raise ValueError(f"{name}: a branch in another branch's delay slots at bundle {pc}")
-            pending = [delay_slots, *branch]
-        pc += 1
-        if pending is not None and pending[0] == 0:
-            _, taken, target = pending
-            pending = None
-            if taken:
-                pc = target
-        elif pending is not None and pending[0] > 0 and pc >= n:
-            break
-    counts, running = [], 0
-    for i in range(n):
-        running += difference[i]
-        counts.append(running)
-    return {"bundles": issued, "counts": counts, "ops": [ops for _, _, ops, _ in bundles], "hbm_dma_bytes": dma_bytes}
+    decoded = _decode(dump)
+    unit = _ScalarUnit(name)
+    difference = [0] * (len(decoded.texts) + 1)  # counts, as differences: a run adds 1 from its first bundle on
+    for first, stop in _issued_runs(decoded, unit, delay_slots, name):
+        difference[first] += 1
+        difference[stop] -= 1
+    counts = list(itertools.accumulate(difference[:-1]))
+    return {"bundles": sum(counts), "counts": counts, "ops": list(decoded.ops), "hbm_dma_bytes": unit.dma_bytes}
 
 
+def executed_or_static_schedule(dump: str, generation: str, name: str = "the dump") -> tuple[dict, bool]:
+    """``(run, followed)``: :func:`executed_schedule`'s run and ``True``, or, where it cannot follow
+    the control flow (a branch on a value from outside: data, a dynamic index), ``False`` and the
+    static schedule instead: every loop at its trip count, every conditional region taken
+    (:func:`static_schedule`'s bundles; each bundle once where it cannot read the loops either).
+    That run holds ``"bundles"`` only, and ``"hbm_dma_bytes"`` ``None``.
+
+    Raises:
+        ValueError, NotImplementedError: an unknown or unread ``generation``, as :func:`executed_schedule`.
+    """
+    _hardware(generation)
+    try:
+        return executed_schedule(dump, generation, name=name), True
+    except ValueError:
+        try:
+            bundles = static_schedule(dump)["bundles"]
+        except (StopIteration, ValueError):  # a loop whose closing branch or body start the dump does not mark
+            bundles = bundle_count(dump)
+        return {"bundles": bundles, "hbm_dma_bytes": None}, False
 
 
 # --- HBM bytes, from the optimised HLO -----------------------------------------------------------------------------
@@ -669,13 +740,6 @@ def _code_signature(hlo, match, types):
     return text, tuple(operands)
 
 
-def _static_bundles(dump):
-    try:
-        return static_schedule(dump)["bundles"]
-    except (StopIteration, ValueError):  # a loop whose closing branch or body start the dump does not mark
-        return bundle_count(dump)
-
-
 def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
     """Estimates one compiled program's time on one chip of ``generation`` from libtpu's dumps.
 
@@ -729,12 +793,7 @@ def estimate(dumps: Mapping[str, str], generation: str) -> StepEstimate:
             continue
         instruction = _instruction(label, dump)
         kind = "kernel" if instruction in kernels else "fusion"
-        try:
-            run, followed = executed_schedule(dump, generation, name=label), True
-        except ValueError:
-            # A branch on a value from outside (data, a dynamic index): every loop at its trip count,
-            # every conditional region taken, instead.
-            run, followed = {"bundles": _static_bundles(dump), "hbm_dma_bytes": None}, False
+        run, followed = executed_or_static_schedule(dump, generation, name=label)
         runs[_code_signature(hlo, by_name[instruction], types)] = (kind, run, followed)
         ops.append(op_estimate(instruction, kind, run["bundles"], _op_hbm(kind, run, moved.pop(instruction, 0)),
                                followed))

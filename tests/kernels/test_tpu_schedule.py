@@ -1,6 +1,6 @@
 """The whole-program time estimate (:mod:`torch_pallas.tpu_schedule`): its arguments and errors
-here; the estimates themselves in tests/estimates/, run in a process of their own with libtpu's
-dumps enabled."""
+here, and the control flow it follows in hand-written dumps; the estimates of compiled programs
+in tests/estimates/, run in a process of their own with libtpu's dumps enabled."""
 
 import os
 import re
@@ -15,15 +15,85 @@ import pytest
 from conftest import NEEDS_LIBTPU, ON_TPU, STACK
 from torch_pallas import tpu_compile, tpu_schedule
 
-pytestmark = [
-    pytest.mark.tpu_compile,
-    pytest.mark.skipif(ON_TPU, reason="on a TPU the suite compiles and runs the kernels for real"),
-    NEEDS_LIBTPU,
-]
-
 KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 
 
+def compiles_for_tpu(test):
+    """The TPU-compile tier's marks: the test compiles with libtpu's compile-only client."""
+    for mark in (pytest.mark.tpu_compile, NEEDS_LIBTPU,
+                 pytest.mark.skipif(ON_TPU, reason="on a TPU the suite compiles and runs the kernels for real")):
+        test = mark(test)
+    return test
+
+
+# Hand-written final_bundles dumps, worded as libtpu 0.0.21 words them: scalar ops, then a branch.
+BRANCH_ON_DATA = """\
+  0x0   :  { %s1_s1 = sld [smem:[#allocation2]] }
+  0x1   :  { %p2_p2 = scmp.eq.s32.totalorder %s1_s1, 0 ;; %s3_s3 = sadd.s32 %s1_s1, 1 }
+  0x2   :  { %s4_s4 = smov 7 ;; sbr.rel (%p2_p2) target bundleno = 9 (0x9), region = 3 }
+  0x3   :  { %s5_s5 = sadd.s32 %s4_s4, 1 }
+"""
+# The same branch on a known value, to region 3 (marked nowhere in UNMARKED_TARGET, at bundle 5 in
+# FORWARD_BRANCH).
+UNMARKED_TARGET = BRANCH_ON_DATA.replace("sld [smem:[#allocation2]]", "smov 0")
+FORWARD_BRANCH = UNMARKED_TARGET + """\
+  0x4   :  { %s6_s6 = smov 2 }
+  0x5 PF:  { %s7_s7 = smov 3 /* Start/End empty region 3 */ }
+"""
+
+
+@pytest.mark.parametrize("dump, error", [
+    # A key word read from SMEM is unknown, and so is the compare of it the branch reads.
+    (BRANCH_ON_DATA, r"the branch at bundle 2 depends on an unknown predicate \(p2\)"),
+    (UNMARKED_TARGET, r"no target for the branch at bundle 2 \(bundle number 9, region 3\)"),
+])
+def test_schedule_errors_name_the_dump_after_scalar_ops(dump, error):
+    # Each dump runs scalar ops (sld or smov, scmp, sadd) before its branch: the message names the
+    # dump, not the last opcode run.
+    with pytest.raises(ValueError, match="^kernel.3: " + error):
+        tpu_schedule.executed_schedule(dump, "v5e", name="kernel.3")
+    with pytest.raises(ValueError, match="^the dump: " + error):
+        tpu_schedule.executed_schedule(dump, "v5e")
+    # What estimate counts instead: the static schedule, each bundle once (no loops).
+    assert tpu_schedule.executed_or_static_schedule(dump, "v5e", name="kernel.3") == (
+        {"bundles": 4, "hbm_dma_bytes": None}, False)
+
+
+def test_a_branch_on_known_values_is_taken_after_its_delay_slots():
+    # v4 has one delay slot: bundle 3 issues, then the branch lands on region 3's mark, bundle 5.
+    run, followed = tpu_schedule.executed_or_static_schedule(FORWARD_BRANCH, "v4")
+    assert followed and run["counts"] == [1, 1, 1, 1, 0, 1] and run["bundles"] == 5
+    assert run["hbm_dma_bytes"] == 0 and run["ops"][2] == ["smov"]
+    # v5e has four: bundles 3 to 5 issue in them (the dump ends in the fourth).
+    assert tpu_schedule.executed_schedule(FORWARD_BRANCH, "v5e")["counts"] == [1] * 6
+
+
+# A loop of three iterations behind a branch on the TensorCore's index (core 0 runs it), worded as
+# libtpu 0.0.52 words it (copied from its IndRNN kernel's dump, cut down), and as 0.0.21 does.
+LOOP_0_0_52 = """\
+     0   :  { %s6_s15 = sld [smem:[#allocation0]] /* megacore core id :: core id */ }
+   0x1   :  { %p7_p0 = scmp.ne.s32.totalorder %s6_s15, 0  ;;  %s641_s1 = smov.u32 0 /* copy for cssa */ }
+   0x2   :  { %16 = sbr.rel (%p7_p0) target = $region9 }
+   0x3   :  {}
+   0x4 LB: > { %s82_s1 = sadd.s32 1, %s587_s1 /* copy for cssa */  ;;  %s587_s1 = sphi %s641_s1, %s82_s1 } /* Start region 5 */
+   0x5   : > { %p79_p0 = scmp.ge.s32.totalorder %s82_s1, 3 /* loop exit test */ }
+   0x6   :  { %81 = sbr.rel (!%p79_p0) target = $region5 }
+   0x7   : > { %v9_v0 = vadd.f32 %v9_v0, %v9_v0 } /* End region 5 */
+   0x8 PF:  {} /* Start/End empty region 9 */
+"""
+LOOP_0_0_21 = (LOOP_0_0_52.replace("megacore core id :: core id", "core id").replace("smov.u32", "smov")
+               .replace("target = $region9", "target bundleno = 8 (0x8), region = 9")
+               .replace("target = $region5", "target bundleno = 4 (0x4), region = 5"))
+
+
+@pytest.mark.parametrize("dump", [LOOP_0_0_21, LOOP_0_0_52], ids=["libtpu-0.0.21", "libtpu-0.0.52"])
+def test_a_loop_is_followed_as_either_libtpu_words_it(dump):
+    # v4: one delay slot after each branch; the loop body (bundles 4 to 7) runs three times.
+    run = tpu_schedule.executed_schedule(dump, "v4")
+    assert run["counts"] == [1, 1, 1, 1, 3, 3, 3, 3, 1] and run["bundles"] == 17
+
+
+@compiles_for_tpu
 def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     """tests/estimates/: an XLA-only program is the sum of its fusions and grows with its size;
     the dropout kernel agrees with bench/results/tpu_cost.md; kernels sharing code share its
@@ -42,6 +112,7 @@ def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     assert counts == ({"passed": 6} if STACK == "xla" else {"passed": 4, "skipped": 1}), summary
 
 
+@compiles_for_tpu
 def test_bad_arguments_and_unestablished_generations_raise_clearly():
     with pytest.raises(NotImplementedError, match="tpu7x: clock not established"):
         tpu_schedule.estimate({}, "tpu7x")
@@ -56,6 +127,7 @@ def test_bad_arguments_and_unestablished_generations_raise_clearly():
         step.table(top=0)
 
 
+@compiles_for_tpu
 @pytest.mark.skipif(tpu_compile._libtpu["dump_directory"] is not None,
                     reason="this process enabled estimates (TORCH_PALLAS_TPU_ESTIMATES=1) before libtpu started")
 def test_estimates_enabled_after_libtpu_started_raise_with_the_flags():
