@@ -13,7 +13,8 @@ text and lets the build check every reference:
 - a torch, JAX or other library name becomes inline code (no external inventory is reachable
   offline); a bare name that resolves nowhere is an error;
 - ``:ref:`title <anchor>``` links a heading of the docs pages (by its anchor);
-- ``:math:`...``` becomes arithmatex's inline math, ``text::`` ends in ``:``.
+- ``:math:`...``` becomes inline code (its TeX reads well enough, and the site needs no math
+  renderer from a CDN), ``text::`` ends in ``:``.
 
 Two more things the source says in its own way:
 
@@ -76,7 +77,7 @@ def convert(text: str, obj: griffe.Object) -> str:
 
 def _role(role: str, text: str, obj: griffe.Object) -> str:
     if role == "math":
-        return rf"\({text}\)"
+        return f"`{text}`"  # readable as it is; no math renderer to fetch offline
     if role == "ref":
         titled = TITLED.match(text)
         title, anchor = (titled["title"], titled["target"]) if titled else (text.replace("-", " "), text)
