@@ -1,5 +1,5 @@
 """Committed noise for one seed with high bits: what ``jax.random`` gave on 2026-11-25 (jax 0.7.1
-and jax 0.10.2 alike, CPU) for the key the noise contract (README, The noise contract) makes
+and jax 0.10.2 alike, CPU) for the key the noise contract (docs/noise.md, Keys from seeds) makes
 of :data:`SEED`. Both stacks' tests check that torch_pallas's results equal these exactly, so a
 change of the seed-to-key rule, of JAX's threefry, or of a stack's front end shows up as a
 failing test instead of silently different noise.

@@ -17,7 +17,7 @@ SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
 
 
 def key_data(seed: int) -> np.ndarray:
-    """int32 (2,) key data for a 64-bit seed, as the README's noise contract defines it."""
+    """int32 (2,) key data for a 64-bit seed, as the noise contract defines it (docs/noise.md, Keys from seeds)."""
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32).view(np.int32)
 
 

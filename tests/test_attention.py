@@ -55,7 +55,8 @@ def attention_with_torch_pallas_dropout(query, key, value, dropout_p, seed, is_c
 
 
 def test_dropout_is_torch_pallas_dropout_of_the_weights_with_the_same_seed():
-    """README, noise contract: the fused kernel's mask is the one torch_pallas.dropout draws for the weights."""
+    """docs/noise.md, Attention's mask: the fused kernel's mask is the one torch_pallas.dropout draws
+    for the weights."""
     tensors = operands((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))
     ours = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.3, is_causal=True, seed=11)
     written_out = attention_with_torch_pallas_dropout(*tensors, 0.3, 11, is_causal=True)
@@ -175,7 +176,7 @@ def test_checkpoint_recomputes_the_forwards_attention_mask(monkeypatch):
 
 
 def test_cpu_tensors_run_the_same_kernels_with_the_xla_devices_result():
-    """README, Plain CPU tensors: attention on the CPU through JAX = the XLA device's, for a seed."""
+    """docs/tensors.md, Plain CPU tensors: attention on the CPU through JAX = the XLA device's, for a seed."""
     query = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).requires_grad_()
     out = torch_pallas.scaled_dot_product_attention(query, query, query, dropout_p=0.3, seed=4, is_causal=True)
     (grad,) = torch.autograd.grad(out.sum(), query)

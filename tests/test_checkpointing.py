@@ -37,7 +37,8 @@ def run(step, layer):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_recomputation_draws_the_forward_masks(compiled):
-    """README, The noise contract and Limits (checkpointing): the recomputation draws the forward's noise, eager and compiled."""
+    """docs/noise.md, Where a call's key comes from, and docs/transformers.md, Checkpointing: the
+    recomputation draws the forward's noise, eager and compiled."""
     layer = make_layer()
 
     def step(x):
@@ -70,7 +71,8 @@ def test_gradients_equal_the_unchekpointed_region_with_the_same_key():
 
 
 def test_torch_xla_checkpoint_under_compile_after_warm_up():
-    """README, The noise contract: with torch_xla.utils.checkpoint, later compiled calls agreed in the small regions tested."""
+    """docs/noise.md, Where a call's key comes from: with torch_xla.utils.checkpoint, later compiled
+    calls agreed in the small regions tested."""
     # torch_xla's own checkpoint restores the XLA RNG before recomputing; under compile this
     # holds from the second call on (the call that compiles draws while tracing).
     layer = make_layer()

@@ -28,7 +28,8 @@ def positive(shape, dtype=torch.float32):
 
 
 def test_mask_is_jax_bernoulli_and_gradient_uses_it():
-    """README, A short tour and The noise contract: the mask is jax.random.bernoulli; the backward regenerates it."""
+    """docs/tour-xla.md, Dropout, and docs/noise.md, Dropout's mask: the mask is jax.random.bernoulli;
+    the backward regenerates it."""
     x = positive(SHAPE).requires_grad_()
     y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2])
     y.backward(xla(torch.ones(SHAPE)))
@@ -87,7 +88,7 @@ def test_mask_shared_over_first_dim_is_one_jax_mask_for_every_step():
 
 
 def test_non_contiguous_input_gets_the_mask_of_its_logical_layout():
-    """README, Limits and behaviours to know: non-contiguous inputs get the mask of their logical layout."""
+    """docs/limits.md, Sizes, compiles and layouts: non-contiguous inputs get the mask of their logical layout."""
     base = positive((300, 20))
     transposed = base.t()
     y = torch_pallas.dropout(transposed, p=0.3, seed=SEEDS[1])
@@ -113,7 +114,8 @@ def test_identity_and_zero_cases():
 
 
 def test_seed_sources():
-    """README, A short tour and The noise contract: explicit seed, CPU generator, torch_xla.manual_seed."""
+    """docs/tour-xla.md, Dropout, and docs/noise.md, Where a call's key comes from: explicit seed, CPU
+    generator, torch_xla.manual_seed."""
     x = positive(SHAPE)
     assert torch.equal(torch_pallas.dropout(x, seed=3).cpu(), torch_pallas.dropout(x, seed=3).cpu())
     with_generator = [torch_pallas.dropout(x, generator=torch.Generator().manual_seed(9)).cpu() for _ in range(2)]
@@ -329,7 +331,7 @@ def torch_dropout_given(keep, x, p):
 
 @pytest.mark.parametrize("p", [0.5, 1.0])
 def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
-    """README, The noise contract: a dropped element is x * 0, as in torch's dropout."""
+    """docs/noise.md, Precision: a dropped element is x * 0, as in torch's dropout."""
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.0, 3.0])
     x = xla(values.repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE)).requires_grad_()
     grad = xla(values.flip(0).repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE))
@@ -347,7 +349,7 @@ def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
 
 
 def test_float64_gets_the_float32_mask_and_is_scaled_in_float64():
-    """README, The noise contract (float64) and the bad-input paragraph (dtypes dropout takes)."""
+    """docs/noise.md, Precision (float64), and docs/tensors.md, Dtypes (what dropout takes)."""
     x = positive(SHAPE, torch.float64).requires_grad_()
     y = torch_pallas.dropout(x, 0.3, seed=SEEDS[2])
     y.backward(xla(torch.ones(SHAPE, dtype=torch.float64)))
@@ -366,7 +368,7 @@ def test_float64_gets_the_float32_mask_and_is_scaled_in_float64():
 
 
 def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
-    """README, A short tour (Plain CPU tensors): the XLA result for the same seed, keys from
+    """docs/tensors.md, Plain CPU tensors: the XLA result for the same seed, keys from
     torch.manual_seed, autograd and torch.func."""
     x_cpu = positive(SHAPE).cpu().requires_grad_()
     y = torch_pallas.dropout(x_cpu, 0.3, seed=SEEDS[3])
@@ -390,7 +392,7 @@ def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dropout_add_is_residual_plus_dropout_with_its_mask_and_gradients(dtype):
-    """README, A short tour (dropout_add)."""
+    """docs/tour-xla.md, Dropout (dropout_add)."""
     x = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))).to(dtype).requires_grad_()
     residual = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))).to(dtype).requires_grad_()
     y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])
@@ -448,7 +450,7 @@ WEIGHTS_SHAPE, VALUE_SHAPE = (2, 3, 40, 300), (2, 3, 300, 16)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float16: the kernels' tests
 def test_dropout_matmul_is_dropout_then_matmul_with_its_mask_and_gradients(dtype):
-    """README, A short tour (dropout_matmul): float64 references given jax.random's mask; the
+    """docs/transformers.md, Fusion (dropout_matmul): float64 references given jax.random's mask; the
     backward pass keeps the weights, the value and the key, not the dropped weights."""
     generator = torch.Generator().manual_seed(5)
     weights = xla(torch.rand(WEIGHTS_SHAPE, generator=generator)).to(dtype).requires_grad_()

@@ -41,7 +41,7 @@ def test_matches_float64_loop(shape, nonlinearity):
 
 
 def test_cpu_tensors_run_the_same_kernels_through_jax():
-    """README, A short tour (Plain CPU tensors): indrnn on the CPU."""
+    """docs/tensors.md, Plain CPU tensors: indrnn on the CPU."""
     check_against_reference(*random_case((37, 3, 200)), "tanh", device="cpu")
 
 
@@ -94,7 +94,7 @@ def test_lengths_match_float64_loop_per_sequence(nonlinearity):
 
 
 def test_new_lengths_reuse_the_compiled_kernels():
-    """README, Limits and behaviours to know: indrnn(padded, w, lengths=...) takes the lengths as data."""
+    """docs/limits.md, IndRNN and torch.nn.RNN: indrnn(padded, w, lengths=...) takes the lengths as data."""
     device = torch_xla.device()
     x, weight = torch.randn(9, 4, 128).to(device), torch.rand(128).to(device)
     torch_xla.sync()  # what earlier tests left pending is not part of the graphs counted below

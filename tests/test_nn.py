@@ -99,7 +99,8 @@ class MLP(torch.nn.Module):
 
 
 def test_compiled_training_loop_compiles_once_and_draws_fresh_masks():
-    """README, A short tour: compiles without graph breaks (fullgraph); a new key per step causes no recompile."""
+    """docs/tour-xla.md, torch.compile: compiles without graph breaks (fullgraph); a new key per step
+    causes no recompile."""
     torch.manual_seed(0)
     model = convert_dropout(MLP()).to(torch_xla.device())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

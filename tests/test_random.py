@@ -81,7 +81,8 @@ def _noisy(x):
 
 
 def test_compiled_sampling_fresh_reproducible_no_recompile():
-    """README, Limits and behaviours to know: under torch.compile, reproducible after warm-up and manual_seed, fresh each step."""
+    """docs/noise.md, Where a call's key comes from: under torch.compile, reproducible after warm-up
+    and manual_seed, fresh each step."""
     compiled = torch.compile(_noisy, backend="openxla", fullgraph=True)
     x = torch.zeros(SHAPE, device=torch_xla.device())
     compiled(x)  # warm-up: traces and compiles
@@ -119,7 +120,7 @@ def test_hardware_noise_has_no_repeated_tiles_on_tpu():
 
 
 def test_default_impl_is_threefry_and_set_default_impl_checks_its_argument():
-    """README, The noise contract (the default impl and how to change it)."""
+    """docs/noise.md, The two generators (the default impl and how to change it)."""
     assert tp_random.get_default_impl() == "threefry"
     with pytest.raises(ValueError, match="impl must be one of 'threefry', 'hardware', got 'philox'"):
         tp_random.set_default_impl("philox")

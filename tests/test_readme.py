@@ -1,30 +1,70 @@
-"""The README's tour is code a new user pastes: it must run as written."""
+"""The python blocks of the README and of the docs pages are code a new user pastes: they must
+run as written. A document's blocks run in order in one namespace, on the stack it is written
+for: a document that imports torchax (the torchax tour) in tests/torchax/test_readme.py, a block
+that enters SPMD mode (``use_spmd()``, process-wide) in tests/spmd/, the rest here."""
 
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCUMENTS = (README, *sorted((ROOT / "docs").rglob("*.md")))
 
 
-def python_blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(documents=DOCUMENTS) -> list[str]:
+    return [block for document in documents
+            for block in re.findall(r"```python\n(.*?)```", document.read_text(), flags=re.S)]
 
 
-def test_readme_tour_runs():
-    blocks = python_blocks()
-    assert blocks, "the README has no python snippet"
+def blocks_on(document: Path, stack: str) -> list[str]:
+    """``document``'s blocks that run on ``stack``: "xla", "torchax" or "spmd"."""
+    blocks = python_blocks([document])
+    imports_torchax = any(re.search(r"^(import .*\btorchax\b|from torchax)", block, re.M) for block in blocks)
+    own = "torchax" if imports_torchax else "xla"
+    return [block for block in blocks if ("spmd" if "use_spmd()" in block else own) == stack]
+
+
+def documents_with_blocks(stack: str) -> list[Path]:
+    return [document for document in DOCUMENTS if blocks_on(document, stack)]
+
+
+def run_blocks(document: Path, stack: str) -> dict:
     namespace = {}
-    for block in blocks:
-        if "use_spmd()" in block:
-            continue  # SPMD mode is process-wide: tests/spmd/ runs this block
-        if "torchax.default_env()" in block:
-            continue  # the torchax stack's: tests/torchax/test_readme.py
-        exec(compile(block, str(README), "exec"), namespace)
+    for block in blocks_on(document, stack):
+        exec(compile(block, str(document), "exec"), namespace)
+    return namespace
+
+
+def check_readme(namespace):
+    import torch_pallas
+
+    x = namespace["x"]
+    assert x.grad is not None
+    torch.testing.assert_close(namespace["y7"].cpu(), torch_pallas.dropout(x.detach().cpu(), 0.1, seed=7),
+                               rtol=0, atol=0)
+
+
+def check_tour(namespace):
+    import torch_pallas
+
     assert namespace["output"].shape == (100, 8, 512) and namespace["h_n"].shape == (4, 8, 256)
     assert namespace["packed_h_n"].shape == (4, 3, 256)
     assert namespace["b"].dtype == torch.bool and namespace["z"].dtype == torch.bfloat16
-    import torch_pallas
-
     assert torch.equal(namespace["y_cpu"], torch_pallas.dropout(namespace["x"].detach(), 0.1, seed=7).cpu())
+
+
+CHECKS = {README: check_readme, ROOT / "docs" / "tour-xla.md": check_tour}
+
+
+def test_the_readme_and_the_tours_show_code():
+    assert python_blocks([README]), "the README has no python snippet"
+    assert set(CHECKS) <= set(documents_with_blocks("xla"))
+
+
+@pytest.mark.parametrize("document", documents_with_blocks("xla"), ids=lambda path: str(path.relative_to(ROOT)))
+def test_snippets_run(document):
+    namespace = run_blocks(document, "xla")
+    CHECKS.get(document, lambda namespace: None)(namespace)

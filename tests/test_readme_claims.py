@@ -1,6 +1,7 @@
-"""Pins for README claims that no other test checks: each test names the README section
-(and the claim) it pins. Where another file already checks a claim, that test names the
-README section instead (grep the suite for "README,")."""
+"""Pins for claims of the README and the docs pages that no other test checks: each test names
+the page and section (and the claim) it pins, as "docs/noise.md, Precision: ...". Where another
+file already checks a claim, that test names the page and section instead (grep the suite for
+"docs/" and "README,")."""
 
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def _torch_dropout(x):
 
 @pytest.mark.parametrize("function", [_dropout, _torch_dropout], ids=["torch_pallas", "torch"])
 def test_noise_contract_compiled_noise_after_manual_seed(function):
-    """README, The noise contract (and Limits and behaviours to know): the call that compiles
+    """docs/noise.md, Where a call's key comes from (and docs/limits.md): the call that compiles
     draws other noise than eager mode; after warm-up and torch_xla.manual_seed, the same
     compiled calls draw the same masks, a fresh one per call; only the first call's mask is
     eager mode's, later keys differ from eager mode's; torch's own dropout behaves the same."""
@@ -73,7 +74,7 @@ def forward_and_backward_masks(step, layer):
 
 
 def test_noise_contract_torch_xla_checkpoint_recomputes_other_masks_on_the_compiling_call():
-    """README, The noise contract: with torch_xla.utils.checkpoint under torch.compile, the call
+    """docs/noise.md, Where a call's key comes from: with torch_xla.utils.checkpoint under torch.compile, the call
     that compiles recomputes with masks other than its forward's. (The later calls agreeing in
     a small region: test_checkpointing.py::test_torch_xla_checkpoint_under_compile_after_warm_up.)"""
     torch.manual_seed(0)
@@ -89,7 +90,7 @@ def test_noise_contract_torch_xla_checkpoint_recomputes_other_masks_on_the_compi
     (torch_xla.utils.checkpoint.checkpoint, False), (torch_pallas.checkpoint, True)])
 def test_noise_contract_route_dropout_is_not_active_in_torch_xla_checkpoint_recomputation(
         monkeypatch, checkpoint, recomputed_by_torch_pallas):
-    """README, The noise contract: a route_dropout scope is not active in torch_xla.utils.checkpoint's
+    """docs/noise.md, Where a call's key comes from: a route_dropout scope is not active in torch_xla.utils.checkpoint's
     recomputation (its F.dropout is torch's there); torch_pallas.checkpoint re-enters it."""
     keys = record_dropout_keys(monkeypatch)
     x = (xla_ones() * 2).requires_grad_()
@@ -102,7 +103,7 @@ def test_noise_contract_route_dropout_is_not_active_in_torch_xla_checkpoint_reco
 
 
 def test_limits_checkpoint_region_is_a_graph_break():
-    """README, Limits and behaviours to know: under torch.compile a torch_pallas.checkpoint
+    """docs/transformers.md, Checkpointing: under torch.compile a torch_pallas.checkpoint
     region runs as a graph break (so fullgraph=True refuses it)."""
     function = torch.compile(lambda t: torch_pallas.checkpoint(_dropout, t), backend="openxla", fullgraph=True)
     with pytest.raises(Exception, match="torch.compiler.disable"):
@@ -114,7 +115,7 @@ def _seeded(x, seed):
 
 
 def test_limits_p_and_explicit_seed_under_compile_are_compiled_in():
-    """README, Limits and behaviours to know: each distinct p compiles once, and an explicit
+    """docs/limits.md, Sizes, compiles and layouts: each distinct p compiles once, and an explicit
     seed= under torch.compile is a graph constant: a new seed value is traced again by dynamo
     (measured: no new XLA compile), and its mask is eager mode's for that seed."""
     from torch._dynamo.utils import counters
@@ -140,7 +141,7 @@ def test_limits_p_and_explicit_seed_under_compile_are_compiled_in():
 
 
 def test_limits_tensors_of_2_32_elements_and_more_get_jax_random_noise():
-    """README, Limits and behaviours to know: no limit on the number of elements; an index of
+    """docs/limits.md, Sizes, compiles and layouts: no limit on the number of elements; an index of
     2**32 or more uses the counter's high word, as jax.random does. Checked without allocating
     such a tensor: the argument checks take its shape, a shard's offset reaches the kernel as
     two words, and a shard past 2**32 draws jax.random's numbers (more in
@@ -158,8 +159,8 @@ def test_limits_tensors_of_2_32_elements_and_more_get_jax_random_noise():
 
 
 def test_two_commands_example_trains_a_small_mlp_with_torch_pallas_dropout(monkeypatch, capsys):
-    """README, Two commands: `./dev example` runs examples/train_mlp.py, which trains an MLP
-    whose dropouts are torch_pallas's."""
+    """README, Install and the two commands (and docs/install.md, Two commands): `./dev example`
+    runs examples/train_mlp.py, which trains an MLP whose dropouts are torch_pallas's."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
     import train_mlp
 

@@ -39,7 +39,8 @@ def test_every_dropout_is_routed_and_recomputation_reuses_the_forward_keys(monke
 
 
 def test_compiled_training_with_checkpointing_learns_and_compiles_nothing_after_warm_up():
-    """README, A short tour (train_transformer.py): the loss falls by more than 0.5 in 8 steps, no XLA compile after the third."""
+    """docs/transformers.md, A whole example (train_transformer.py): the loss falls by more than 0.5 in
+    8 steps, no XLA compile after the third."""
     losses, compiles = train_transformer.train(steps=8)
     assert compiles[2] == compiles[-1], compiles
     assert losses[-1] < losses[0] - 0.5, losses
@@ -131,7 +132,7 @@ def torchs_dropouts(graph: torch.fx.GraphModule) -> list[str]:
 def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_and_trains(make_model,
                                                                                           residual_dropouts,
                                                                                           monkeypatch):
-    """README, Routing: every dropout of GPT-2, BERT and Llama on their default sdpa attention
+    """docs/transformers.md, Routing: every dropout of GPT-2, BERT and Llama on their default sdpa attention
     (attention dropout included) is torch_pallas's, eager and compiled. A padding mask makes
     transformers pass attn_mask to every layer. (A warning on a traced path once broke these
     compiles, and torch_xla merged the layers' saved masks.) Compiled with the torch_pallas

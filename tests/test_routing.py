@@ -124,7 +124,7 @@ def test_convert_dropout_warns_when_it_finds_no_module():
 
 
 def test_cpu_tensors_are_routed_as_converted_modules_run_them():
-    """README, A short tour (Plain CPU tensors): route_dropout and converted modules."""
+    """docs/tensors.md, Plain CPU tensors: route_dropout and converted modules."""
     x = torch.rand(16, 256) + 0.5
     with torch_pallas.route_dropout():
         torch.manual_seed(4)

@@ -32,11 +32,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     1 - dropout_p, (*batch, L, S))``, the mask :func:`torch_pallas.dropout` draws for the
     weights with the same seed: attention written out with ``torch_pallas.dropout`` on the
     weights gives the same result (to float rounding). ``impl="hardware"`` (TPU) seeds the
-    TPU's PRNG per tile of each ``L x S`` plane (README, noise contract).
+    TPU's PRNG per tile of each ``L x S`` plane (:ref:`attention's mask <attention-mask>`).
 
     Args:
         query (Tensor): ``(*batch, L, E)``; float32, bfloat16 or float16 (computed in float32
-            in the kernels), on an XLA device, torchax's ``jax`` device or the CPU.
+            in the kernels), on a device torch_pallas runs on (:ref:`devices`).
         key (Tensor): ``(*batch, S, E)``, query's dtype and device; batch dims broadcast.
         value (Tensor): ``(*batch, S, Ev)``, likewise.
         attn_mask (Tensor, optional): broadcastable to ``(*batch, L, S)``: boolean (True

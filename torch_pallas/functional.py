@@ -19,50 +19,28 @@ __all__ = ["dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d",
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
             generator=None, impl=None, shared_over_first_dim: bool = False, mesh=None,
             partition_spec=None) -> torch.Tensor:
-    r"""Randomly zeroes elements of ``x`` with probability ``p`` and scales the rest by :math:`1/(1-p)`.
-
-    Like :func:`torch.nn.functional.dropout`, but the mask comes from a PRNG key and is
-    regenerated in the backward kernel: the autograd graph keeps 8 bytes per call instead
-    of a mask as large as ``x``. An element is kept when its float32 uniform number is
-    below ``float32(1 - p)``; with ``impl="threefry"`` the mask is bit for bit
-    ``jax.random.bernoulli(jax.random.key(seed), 1 - p, x.shape)``, whatever the device or
-    the kernels' block sizes.
+    r"""Dropout of ``x``: what :class:`torch_pallas.nn.Dropout` computes (see there), as a
+    function with the key's source chosen per call, as :func:`torch.nn.functional.dropout` is
+    to :class:`torch.nn.Dropout`.
 
     Args:
-        x (Tensor): float32, bfloat16, float16 or float64, any shape, on an XLA device, torchax's ``jax`` device or
-            the CPU (any tensor when nothing is dropped: ``training=False`` or ``p == 0``).
-            float64: the mask is the one float32 gets from the same key (the kernel draws
-            it; Mosaic has no float64), applied in float64 outside the kernel.
-        p (float): probability of an element being zeroed, in :math:`[0, 1]`. ``p == 0``
-            returns ``x``; ``p == 1`` returns ``x * 0`` (zeros, with zero gradient).
+        x (Tensor): the input, as :class:`~torch_pallas.nn.Dropout`'s (any tensor when nothing
+            is dropped: ``training=False`` or ``p == 0``).
+        p, inplace, impl: as :class:`~torch_pallas.nn.Dropout` takes them.
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``, for
             any device and dtype (the other arguments are checked either way).
-        inplace (bool): write the result into ``x`` and return ``x``, as
-            :func:`torch.nn.functional.dropout` does (the gradient still flows through the
-            mask). Default: ``False``.
         seed (int, optional): in :math:`[0, 2^{64})`; the same seed gives the same mask.
-        generator (torch.Generator, optional): a CPU generator to draw the key from.
-            Without ``seed`` or ``generator`` a fresh key is drawn on every call from the
-            RNG of ``x``'s device: the XLA RNG (seeded by ``torch_xla.manual_seed``), or
-            torch's default generator for a CPU ``x`` (seeded by ``torch.manual_seed``).
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
+        generator (torch.Generator, optional): a CPU generator to draw the key from. With
+            neither, a fresh key per call from the RNG of ``x``'s device
+            (:ref:`where keys come from <key-sources>`).
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
             at every index of the first dim (for a recurrent net's time-major sequence:
             the same mask at every time step). Default: ``False``.
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            in SPMD mode, how ``x`` is sharded, as ``xs.mark_sharding`` takes it. Default: the
-            sharding ``x`` carries, read in eager mode (an intermediate activation has none
-            yet). Under ``torch.compile`` neither is read and the kernel runs on the whole
-            tensor (same values; XLA partitions it): use :class:`torch_pallas.nn.Dropout`'s,
-            resolved when it is built, to run per shard there (README, SPMD section).
-
-    A sharded ``x`` is processed shard by shard on its devices, forward and backward, and the
-    output and gradient keep its sharding; the mask is the unsharded one.
-
-    As torch's dropout computes ``x * mask``, a dropped NaN or infinity gives NaN (forward,
-    and in the gradient), not 0. A CPU ``x`` runs the same kernels through JAX on the CPU
-    (interpret mode), with the same mask as on an XLA device for the same key.
+        mesh, partition_spec: as :class:`~torch_pallas.nn.Dropout` takes them, but read in
+            eager mode only, and by default the sharding ``x`` carries (an intermediate
+            activation has none yet): under ``torch.compile`` the kernel runs on the whole
+            tensor (same values; XLA partitions it). Give them to the module to run per shard
+            there.
 
     Returns:
         Tensor: same shape and dtype as ``x`` (a new tensor unless ``x`` is returned as is
@@ -71,12 +49,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
     Raises:
         TypeError: ``x`` is not a float tensor (integer and bool tensors are rejected), or
             ``p``, ``seed`` or ``generator`` has the wrong type.
-        ValueError: ``p`` outside :math:`[0, 1]` or NaN, a seed outside :math:`[0, 2^{64})`,
-            both ``seed`` and ``generator``, an unknown ``impl``, ``impl="hardware"`` off
-            TPU, ``x`` on none of those devices,
-            ``shared_over_first_dim`` with a 0-dim ``x``, or an SPMD-sharded ``x`` whose
-            sharding the kernel cannot take (uneven shards, a sharding that is not tiled,
-            with ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
+        ValueError: as :class:`~torch_pallas.nn.Dropout`, and a seed outside
+            :math:`[0, 2^{64})`, both ``seed`` and ``generator``, ``x`` on a device
+            torch_pallas does not run on, ``shared_over_first_dim`` with a 0-dim ``x``, or a
+            sharding of ``x`` the kernel cannot take (:ref:`sharded tensors <sharding-limits>`).
 
     Example::
 
@@ -182,8 +158,7 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, trainin
     ``x`` and the gradient itself for ``residual``.
 
     Args:
-        x (Tensor): what is dropped: float32, bfloat16, float16 or float64, on an XLA device
-            or the CPU.
+        x (Tensor): what is dropped, as for :func:`dropout`.
         residual (Tensor): what is added: ``x``'s shape, dtype and device.
         p, training, seed, generator, impl: as for :func:`dropout`.
 
@@ -234,8 +209,7 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     @ value``, :func:`dropout`'s kernel and then the product.
 
     Args:
-        weights (Tensor): what is dropped: float32, bfloat16, float16 or float64, on an XLA
-            device or the CPU.
+        weights (Tensor): what is dropped, as ``x`` for :func:`dropout`.
         value (Tensor): what it multiplies: a tensor of ``weights``' dtype and device that
             :func:`torch.matmul` takes with it.
         p, training, seed, generator, impl: as for :func:`dropout`.
@@ -316,12 +290,10 @@ _FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probabi
     autograd graph keeps it (one element per channel) rather than the key.{extra}
 
     Args:
-        x (Tensor): float32, bfloat16, float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU (any
-            tensor when nothing is dropped: ``training=False`` or ``p == 0``).
+        x (Tensor): ``{batched}`` or ``{unbatched}``, of a dtype dropout takes (:ref:`dtypes`)
+            on a device torch_pallas runs on (:ref:`devices`).
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
-        training (bool): apply dropout if ``True``; return ``x`` itself if ``False``.
-        inplace (bool): write the result into ``x`` and return ``x``. Default: ``False``.
-        seed, generator, impl: as for :func:`torch_pallas.dropout`.
+        training, inplace, seed, generator, impl: as for :func:`torch_pallas.dropout`.
 
     Returns:
         Tensor: same shape and dtype as ``x``.
@@ -371,7 +343,7 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
 
     Args:
         x (Tensor): ``(T, B, F)``, or ``(B, T, F)`` with ``batch_first``; float32, bfloat16
-            or float16, on an XLA device, torchax's ``jax`` device or the CPU (the same kernels, through JAX).
+            or float16 (:ref:`dtypes`), on a device torch_pallas runs on (:ref:`devices`).
         weight (Tensor): ``(F,)`` recurrent weights, a float dtype.
         h0 (Tensor, optional): ``(B, F)`` initial state; zeros if ``None``.
         nonlinearity (str): ``"relu"`` (default) or ``"tanh"``.
@@ -383,8 +355,8 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
             state, and nothing flows back from the padding. The lengths are data for the
             kernels: new values do not recompile. Integers in :math:`[0, T]` (checked when
             they are a list or a CPU tensor; on an XLA device they are clipped to it).
-        mesh, partition_spec (optional): in SPMD mode, how ``x`` is sharded, as for
-            :func:`dropout` (default: the sharding ``x`` carries, in eager mode).
+        mesh, partition_spec: in SPMD mode, how ``x`` is sharded, as for :func:`dropout`
+            (default: the sharding ``x`` carries, in eager mode).
 
     An SPMD-sharded ``x`` (``xs.mark_sharding``) split over batch and/or features runs shard
     by shard on its devices, forward and backward; the weight gradient is summed over the

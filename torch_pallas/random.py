@@ -1,16 +1,11 @@
-"""Block-invariant random tensors on XLA devices: ``uniform``, ``normal``, ``bernoulli``.
+"""Block-invariant random tensors: ``uniform``, ``normal``, ``bernoulli``, and the noise
+generator every random op uses by default (:func:`get_default_impl`, :func:`set_default_impl`).
 
-With the portable generator (``impl="threefry"``, the default everywhere) the result is bit for
-bit ``jax.random.uniform / normal / bernoulli(jax.random.key(seed), shape)`` (x64 key
-semantics, see :mod:`torch_pallas.seeds`), whatever block size the kernel uses; ``normal``'s
-final ``erf_inv`` may differ from JAX's by a few ulps (3 seen) in float32. With ``impl="hardware"`` (TPU
-only, opt-in) the TPU's hardware PRNG is used: not bit-compatible with JAX, and as written
-slower than threefry on TPU (``bench/results/tpu_cost.md``).
-
-Seeds: ``seed=`` gives the same tensor every call; ``generator=`` (a CPU ``torch.Generator``)
-draws a key from it; with neither, a key is drawn on the device from the XLA RNG, which
-``torch_xla.manual_seed`` seeds (``torch.manual_seed`` does not reach XLA devices), or, for
-``device="cpu"``, from torch's default generator.
+With ``impl="threefry"`` (the default) the result is bit for bit ``jax.random.uniform / normal /
+bernoulli(key, shape)`` for the seed's key, whatever block size the kernel uses (``normal`` in
+float32 to a few ulps): :ref:`the noise contract <noise-impls>` says exactly what each
+generator draws, and :ref:`where keys come from <key-sources>` what ``seed=`` and
+``generator=`` do.
 """
 
 from __future__ import annotations
@@ -46,10 +41,9 @@ def set_default_impl(impl: str | None) -> None:
     they run, not when they are built.
 
     Args:
-        impl (str or None): ``"threefry"`` (bit for bit ``jax.random``, equal on every
-            backend) or ``"hardware"`` (the TPU's hardware PRNG; TPU only); ``None``
-            restores the environment's choice (``TORCH_PALLAS_NOISE_IMPL``) or
-            ``"threefry"``.
+        impl (str or None): ``"threefry"`` or ``"hardware"`` (TPU only; :ref:`the two
+            generators <noise-impls>`); ``None`` restores the environment's choice
+            (``TORCH_PALLAS_NOISE_IMPL``) or ``"threefry"``.
 
     Raises:
         ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
@@ -80,17 +74,13 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
 
     Args:
         shape (int or sequence of ints): the output's shape.
-        seed (int, optional): a seed in :math:`[0, 2^{64})`; the same seed gives the same tensor.
-        generator (torch.Generator, optional): a CPU generator to draw the key from.
-        device (torch.device, optional): an XLA device, torchax's ``jax`` device or the CPU
-            (where the same kernels run through JAX and give the same numbers); default the
-            stack's device (``torch_xla.device()``; ``jax`` with torchax).
+        seed, generator: as for :func:`torch_pallas.dropout`: the same seed gives the same tensor.
+        device (torch.device, optional): where the tensor is created (:ref:`devices`; the
+            same numbers on each); default the stack's device.
         dtype (torch.dtype): ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``.
-        impl (str, optional): ``"threefry"`` (portable, bit-compatible with ``jax.random``) or
-            ``"hardware"`` (TPU only); default :func:`get_default_impl` (``"threefry"``
-            unless changed).
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            in SPMD mode (``torch_xla.runtime.use_spmd()``), return a tensor sharded as
+        impl (str, optional): the noise generator, as :class:`torch_pallas.nn.Dropout` takes it.
+        mesh, partition_spec: in SPMD mode (``torch_xla.runtime.use_spmd()``; a JAX mesh on
+            torchax), return a tensor sharded as
             ``xs.mark_sharding(t, mesh, partition_spec)`` would shard it, each device drawing
             only its own shard: the numbers are those of the unsharded tensor. Give both or
             neither.
@@ -106,7 +96,8 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
             take (uneven shards, more than two split dims besides the first, with
-            ``impl="hardware"`` shards that are not whole bands of tiles: see the README).
+            ``impl="hardware"`` shards that are not whole bands of tiles:
+            :ref:`sharded tensors <sharding-limits>`).
 
     Example::
 

@@ -34,8 +34,8 @@ ATTENTION_ROUTES = ("dropout", "all", "none")
 
 class route_dropout(TorchFunctionMode):
     r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
-    ``torch.nn.Dropout`` module) on float tensors on an XLA device, torchax's ``jax`` device or the CPU run as
-    :func:`torch_pallas.dropout`, and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as
+    ``torch.nn.Dropout`` module) on float tensors on a device torch_pallas runs on
+    (:ref:`devices`) run as :func:`torch_pallas.dropout`, and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as
     their torch_pallas counterparts.
 
     A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
@@ -54,8 +54,8 @@ class route_dropout(TorchFunctionMode):
     inside this mode or outside it (:func:`torch_pallas.bridge.defer_function_to_mode`).
 
     Args:
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
+        impl (str, optional): the routed calls' noise generator, as
+            :class:`torch_pallas.nn.Dropout` takes it.
         attention (str): which ``F.scaled_dot_product_attention`` calls on XLA tensors run
             as torch_pallas's: ``"dropout"`` (default) those with ``dropout_p > 0``,
             ``"all"`` every one (evaluation too), ``"none"`` none.

@@ -95,7 +95,7 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
     Flax folds module paths into keys). Scopes nest; the innermost one counts.
 
     Args:
-        key_data (Tensor): int32 of shape (2,) on an XLA device, torchax's ``jax`` device or the CPU, as
+        key_data (Tensor): int32 of shape (2,) on a device torch_pallas runs on, as
             :func:`key_data` returns.
 
     Raises:
@@ -112,19 +112,16 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
 
 
 def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
-    """Key data (int32, shape (2,), on ``device``) for one random op.
+    """Key data (int32, shape (2,), on ``device``) for one random op, drawn as every random
+    op draws its key (:ref:`where keys come from <key-sources>`):
 
     * ``seed``: an int in [0, 2**64); the same seed always gives the same key.
     * ``generator``: a CPU ``torch.Generator``; two 32-bit words are drawn from it.
     * neither: inside a :func:`key_scope`, the scope's next derived key (moved to
-      ``device``); otherwise two words drawn on ``device`` from its RNG: on an XLA device
-      the XLA RNG (which ``torch_xla.manual_seed`` seeds), with no host sync and no new
-      graph per call; on torchax's ``jax`` device torchax's own RNG (as its dropout draws
-      its keys: seeded from ``torch.manual_seed`` when torchax's environment starts, or by
-      ``env.manual_seed``); on the CPU torch's default generator (``torch.manual_seed``).
+      ``device``); otherwise two words drawn on ``device`` from its RNG (on an XLA device
+      with no host sync and no new graph per call).
 
-    ``device``: an XLA device, torchax's ``jax`` device or the CPU; default the stack's
-    device (``torch_xla.device()``, ``jax``).
+    ``device``: a device torch_pallas runs on (:ref:`devices`); default the stack's device.
 
     Raises:
         ValueError: both ``seed`` and ``generator`` given, a seed out of range, a

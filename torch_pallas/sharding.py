@@ -79,6 +79,7 @@ class Sharding:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        """The devices' grid: ``tiles``, and ``replicas`` as a last dim when there are several."""
         return self.tiles + ((self.replicas,) if self.replicas > 1 else ())
 
     def shard_shape(self, shape: Sequence[int], name: str = "the tensor") -> tuple[int, ...]:
@@ -150,7 +151,7 @@ def resolve(tensor: Optional[torch.Tensor] = None, mesh=None, partition_spec=Non
     no sharding, and cannot trace torch_xla's mesh code (a graph break here gave wrong values
     when sharded results crossed from one graph to the next), and inside a JAX trace a
     torchax tensor holds a tracer; the kernel then runs on the whole tensor (right values;
-    XLA partitions it; the README says what that means). Modules resolve theirs when they
+    XLA partitions it: :ref:`sharded tensors <sharding-limits>` says what that means). Modules resolve theirs when they
     are built, and run per shard compiled too.
 
     Raises:

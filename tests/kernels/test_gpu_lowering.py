@@ -1,5 +1,5 @@
 """What Pallas's GPU (Triton) backend makes of the kernels, by ``jax.export`` for CUDA on any
-machine: the README's CPU-tensor paragraph says which kernels lower there. Lowering only: no
+machine: docs/tensors.md, Devices, says which kernels lower there. Lowering only: no
 kernel has been compiled or run on a GPU."""
 
 import functools

@@ -106,7 +106,7 @@ def test_bad_arguments_raise():
         sampling.uniform(key_data(0), (64, 1024), interpret=False, blocks=Blocks(3, 100))
     with pytest.raises(ValueError, match="Mosaic"):  # the same rule in interpret mode
         sampling.uniform(key_data(0), (64, 1024), interpret=True, blocks=Blocks(3, 100))
-    with pytest.raises(ValueError, match="1x2147483649 matrix.*int32"):  # README, Limits and behaviours to know
+    with pytest.raises(ValueError, match="1x2147483649 matrix.*int32"):  # docs/limits.md, Sizes, compiles and layouts
         sampling.uniform(key_data(0), (2**31 + 1,), interpret=True)
 
 
@@ -278,7 +278,7 @@ def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hard
 
 
 def test_hardware_noise_of_a_cut_last_tile_row_is_its_tiles_drawn_whole(emulated_hardware_prng):
-    """README, The noise contract: a (6000, 128) view's (512, 128) tiles numbered row-major, the
+    """docs/noise.md, The two generators: a (6000, 128) view's (512, 128) tiles numbered row-major, the
     last tile row's 368 rows those of its tile drawn whole; no block is padded in HBM."""
     shape = (6, 1000, 128)
     got = np.asarray(elementwise.noise_map(jnp.asarray(key_data(7)), shape, as_int32, jnp.int32, impl="hardware",

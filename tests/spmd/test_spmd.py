@@ -161,7 +161,7 @@ def test_readme_spmd_snippet_runs():
 
 
 def test_fsdp_v2_example_trains_compiled_and_matches_unsharded():
-    """README, Sharded tensors (SPMD), train_fsdp.py: no compile after warm-up; losses == unsharded within rtol 1e-5."""
+    """docs/sharding.md, torch_xla (train_fsdp.py): no compile after warm-up; losses == unsharded within rtol 1e-5."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     import train_fsdp
@@ -263,7 +263,7 @@ ATTENTION_CASES = [("4x1", ("data", None, None, None), False), ("1x4", (None, "m
 
 @pytest.mark.parametrize("mesh,spec,gqa", ATTENTION_CASES, ids=[f"{m}-{s}-{g}" for m, s, g in ATTENTION_CASES])
 def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh, spec, gqa):
-    """README, SPMD: attention split over batch and heads runs per shard; output and gradients
+    """docs/sharding.md, What a kernel takes: attention split over batch and heads runs per shard; output and gradients
     equal the unsharded call's (the same mask), keep the sharding, and nothing is gathered."""
     query, key, value, mask, options = sharded_case(gqa)
 

@@ -38,7 +38,7 @@ def make_model():
 
 
 def test_jitted_step_with_its_key_as_input_draws_fresh_masks_traces_once_and_equals_eager():
-    """README, compiled torchax: a step that takes key data as an input (jax.value_and_grad of a
+    """docs/tour-torchax.md, A compiled step: a step that takes key data as an input (jax.value_and_grad of a
     torch function, as torchax's training helpers build one) is traced once and draws the
     masks of each step's key; eagerly, the same key gives the same masks and gradients."""
     model = torch_pallas.convert_dropout(make_model())
@@ -93,7 +93,7 @@ def test_torch_autograd_inside_a_jitted_function():
 
 @pytest.mark.parametrize("compiler", [torchax.compile, torchax.interop.jax_jit])
 def test_torchax_compile_and_jax_jit_of_a_function_taking_its_key(compiler):
-    """README, compiled torchax: torchax.compile / interop.jax_jit of a torch function with a
+    """docs/tour-torchax.md, A compiled step: torchax.compile / interop.jax_jit of a torch function with a
     key_scope over its key input: fresh keys give fresh masks, a key gives eager's mask."""
 
     def function(x, key):
@@ -116,7 +116,7 @@ def test_torchax_compile_and_jax_jit_of_a_function_taking_its_key(compiler):
 @pytest.mark.parametrize("draw", [lambda x: torch_pallas.dropout(x, 0.5),
                                   lambda x: torch_pallas.random.normal((4,), device="jax") + x.sum()])
 def test_a_draw_without_a_key_inside_a_trace_raises_and_leaves_the_rng_usable(draw):
-    """README, compiled torchax: no silently constant mask: a clear error naming key_scope."""
+    """docs/tour-torchax.md, A compiled step: no silently constant mask: a clear error naming key_scope."""
     before = ENV.param.prng
     with pytest.raises(RuntimeError, match="key_scope"):
         torchax.interop.jax_jit(draw)(positive())

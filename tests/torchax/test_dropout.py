@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("in_env")
 
 
 def test_mask_is_jax_bernoulli_and_gradient_uses_it():
-    """README, The noise contract: the mask is jax.random.bernoulli(key, 1 - p, shape) for the
+    """docs/noise.md, Dropout's mask: the mask is jax.random.bernoulli(key, 1 - p, shape) for the
     seed's key, and the backward applies the same mask (against a float64 reference)."""
     x = positive(requires_grad=True)
     upstream = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
@@ -32,7 +32,7 @@ def test_mask_is_jax_bernoulli_and_gradient_uses_it():
 
 
 def test_saves_only_the_key_for_backward():
-    """README, The noise contract: the forward saves the key data (8 bytes), never the mask."""
+    """docs/noise.md, Dropout's mask: the forward saves the key data (8 bytes), never the mask."""
     x = positive(requires_grad=True)
     saved = []
 
@@ -56,7 +56,7 @@ def test_seed_and_generator_repeat_and_draws_without_them_are_fresh():
 
 
 def test_manual_seed_of_torchaxs_environment_repeats_the_masks_as_torchaxs_dropout():
-    """README/seeds: without seed or generator the key comes from torchax's RNG, which
+    """docs/noise.md, Where a call's key comes from: without seed or generator the key comes from torchax's RNG, which
     env.manual_seed seeds, as torchax's own F.dropout draws; torch.manual_seed after the
     environment has started reaches neither (see test_seeds for before it starts)."""
     x = positive()
@@ -77,7 +77,8 @@ def test_manual_seed_of_torchaxs_environment_repeats_the_masks_as_torchaxs_dropo
 
 
 def test_dropout_add_is_residual_plus_dropout_with_its_gradients():
-    """README, A short tour (dropout_add): residual + dropout(x) with the same mask, gradients to both."""
+    """docs/tour-xla.md, Dropout (dropout_add, on torchax tensors): residual + dropout(x) with the same
+    mask, gradients to both."""
     x = positive(requires_grad=True)
     residual = jax_tensor(np.full(SHAPE, 2.0, np.float32), requires_grad=True)
     y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[1])
@@ -92,7 +93,7 @@ def test_dropout_add_is_residual_plus_dropout_with_its_gradients():
     (torch_pallas.dropout1d, (4, 6, 33), 2), (torch_pallas.dropout2d, (4, 6, 5, 7), 2),
     (torch_pallas.dropout3d, (6, 3, 4, 5), 1)])
 def test_channel_dropout_masks_whole_channels_with_jaxs_bernoulli(function, shape, leading):
-    """README, A short tour (channel dropout): one jax.random.bernoulli draw per (sample, channel)."""
+    """docs/noise.md, Dropout's mask (channel dropout): one jax.random.bernoulli draw per (sample, channel)."""
     x = positive(shape, requires_grad=True)
     y = function(x, 0.5, seed=SEEDS[1])
     keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.5, shape[:leading]))
@@ -103,7 +104,7 @@ def test_channel_dropout_masks_whole_channels_with_jaxs_bernoulli(function, shap
 
 
 def test_cpu_tensor_gets_the_same_bits_as_a_torchax_tensor():
-    """README, The noise contract: the same seed gives the same noise on every front end
+    """docs/noise.md, Where a call's key comes from: the same seed gives the same noise on every front end
     (here DLPack's CPU tensors and torchax's), inside torchax's environment too."""
     values = np.random.default_rng(2).random(SHAPE).astype(np.float32) + 0.5
     on_jax = torch_pallas.dropout(jax_tensor(values), 0.4, seed=SEEDS[3])
@@ -128,7 +129,7 @@ def test_cpu_tensor_gets_the_same_bits_as_a_torchax_tensor():
     (lambda x: torch_pallas.dropout2d(x[0], 0.5), ValueError, "channel"),
 ])
 def test_bad_input_raises_as_on_xla_before_any_kernel(monkeypatch, call, error, match):
-    """README, Limits: the same errors as on XLA tensors, before anything runs."""
+    """docs/tensors.md, Errors: the same errors as on XLA tensors, before anything runs."""
     x = positive()
     front_end = frontends.torchax
 

@@ -37,7 +37,7 @@ def keyed(key, function, *args):
 
 
 def test_modules_draw_the_functions_masks_and_eval_is_the_identity():
-    """README, A short tour (modules): torch_pallas.nn.Dropout* are the functions as modules."""
+    """docs/tour-xla.md, Modules (on torchax tensors): torch_pallas.nn.Dropout* are the functions as modules."""
     x4 = positive((4, 6, 5, 7))
     key = seeds.key_data(seed=SEEDS[2])
     for module, function in ((torch_pallas.nn.Dropout(0.3), lambda t: torch_pallas.dropout(t, 0.3)),
@@ -53,7 +53,7 @@ def test_modules_draw_the_functions_masks_and_eval_is_the_identity():
 
 
 def test_convert_dropout_and_route_dropout_give_the_same_model_the_same_masks():
-    """README, A short tour: convert_dropout swaps the modules, route_dropout reroutes F.dropout
+    """docs/transformers.md, Routing: convert_dropout swaps the modules, route_dropout reroutes F.dropout
     as well; for one key both draw what the functions draw, in the same order."""
     x = positive((4, FEATURES))
     key = seeds.key_data(seed=SEEDS[1])
@@ -84,7 +84,7 @@ def run(step, model):
 
 
 def test_checkpoint_recomputes_the_forward_masks_and_equals_the_region_without_it():
-    """README, The noise contract (checkpointing): the recomputation draws the forward's noise;
+    """docs/transformers.md, Checkpointing: the recomputation draws the forward's noise;
     gradients equal the unchekpointed region's for the key the checkpoint draws."""
     model = Block().to("jax")
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("in_env")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_uniform_matches_jax_on_the_jax_device(dtype):
-    """README, The noise contract: jax.random.uniform(key, shape) for the seed's key."""
+    """docs/noise.md, The two generators: jax.random.uniform(key, shape) for the seed's key."""
     got = tp_random.uniform(SHAPE, seed=SEEDS[2], dtype=dtype, device="jax")
     assert got.device.type == "jax" and got.dtype == dtype and tuple(got.shape) == SHAPE
     reference = jax.random.uniform(jax_key(SEEDS[2]), SHAPE, str(dtype).removeprefix("torch."))
@@ -45,7 +45,7 @@ def test_key_sources():
 
 
 def test_cpu_device_gives_the_same_bits():
-    """README, The noise contract: the same noise on the CPU (DLPack) as on torchax's device."""
+    """docs/tensors.md, Plain CPU tensors: the same noise on the CPU (DLPack) as on torchax's device."""
     for sample in (lambda device: tp_random.uniform(SHAPE, seed=SEEDS[3], device=device),
                    lambda device: tp_random.normal(SHAPE, seed=SEEDS[3], device=device),
                    lambda device: tp_random.bernoulli(SHAPE, 0.7, seed=SEEDS[3], device=device)):

@@ -1,27 +1,39 @@
-"""The README's torchax tour is code a new user pastes: it must run as written."""
+"""The torchax stack's python blocks of the README and the docs pages (the torchax tour) run as
+written: a new user pastes them (the other stacks' blocks: tests/test_readme.py)."""
 
-import re
+import importlib.util
 from pathlib import Path
 
 import numpy as np
-import torch
+import pytest
 import torchax
 
 import torch_pallas
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# tests/test_readme.py finds and classifies the blocks; it is a file of the xla stack's tests,
+# which this stack does not collect, so it is loaded by path.
+_spec = importlib.util.spec_from_file_location("readme_snippets", Path(__file__).parents[1] / "test_readme.py")
+snippets = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(snippets)
+TOUR = snippets.ROOT / "docs" / "tour-torchax.md"
 
 
-def test_readme_torchax_tour_runs():
-    blocks = [block for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-              if "torchax.default_env()" in block]
-    assert blocks, "the README has no torchax snippet"
-    namespace = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+def check_tour(namespace):
     with torchax.default_env():
         x = namespace["x"]
         assert x.grad is not None and namespace["y"].shape == x.shape
         on_cpu = torch_pallas.dropout(x.detach().cpu(), 0.1, seed=7)
         np.testing.assert_array_equal(namespace["y7"].detach().numpy(), on_cpu.numpy())
         assert np.isfinite(namespace["loss"].numpy())
+
+
+def test_the_torchax_tour_shows_code():
+    assert TOUR in snippets.documents_with_blocks("torchax")
+
+
+@pytest.mark.parametrize("document", snippets.documents_with_blocks("torchax"),
+                         ids=lambda path: str(path.relative_to(snippets.ROOT)))
+def test_snippets_run(document):
+    namespace = snippets.run_blocks(document, "torchax")
+    if document == TOUR:
+        check_tour(namespace)

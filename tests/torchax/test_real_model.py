@@ -26,7 +26,7 @@ ENV = torchax.default_env()
 
 
 def test_compiled_training_learns_and_traces_once():
-    """README: the loss falls in 4 steps; new key data each step does not retrace."""
+    """docs/tour-torchax.md (train_torchax.py): the loss falls in 4 steps; new key data each step does not retrace."""
     losses, compiled = train_torchax.train(steps=4)
     assert compiled._cache_size() == 1
     assert losses[-1] < losses[0] - 0.3, losses

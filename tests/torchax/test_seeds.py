@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("in_env")
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_key_data_from_a_seed_is_its_high_and_low_words_on_the_jax_device(seed):
-    """README, The noise contract: the key of seed s is [s >> 32, s & 0xFFFFFFFF]."""
+    """docs/noise.md, Keys from seeds: the key of seed s is [s >> 32, s & 0xFFFFFFFF]."""
     key = seeds.key_data(seed=seed, device="jax")
     assert key.device.type == "jax"
     np.testing.assert_array_equal(numpy(key), key_data(seed))

@@ -77,7 +77,8 @@ def dropout_add(key_data: jax.Array, x: jax.Array, residual: jax.Array, *, p: fl
 
     Args:
         residual: an array of ``x``'s shape and dtype.
-        The rest: as :func:`dropout`.
+        key_data, x, p, impl, interpret, blocks, shared_over_first_dim, global_shape, shard_offset: as
+            for :func:`dropout`.
     """
     return _masked(key_data, (x, residual), p=p, impl=impl, interpret=interpret, blocks=blocks,
                    shared_over_first_dim=shared_over_first_dim, global_shape=global_shape, shard_offset=shard_offset)

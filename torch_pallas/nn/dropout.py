@@ -33,28 +33,41 @@ class _KeyedDropout:
 class Dropout(_KeyedDropout, torch.nn.Dropout):
     r"""During training, zeroes elements with probability ``p`` and scales the rest by :math:`1/(1-p)`.
 
-    A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr)
-    on XLA devices: each call draws a fresh key from the XLA RNG (reproducible after
-    ``torch_xla.manual_seed``; on the CPU, from torch's generator), and the backward pass
-    regenerates the mask from that 8-byte key instead of storing it. In ``eval()`` mode it
-    returns its input, whatever its device and dtype. See :func:`torch_pallas.dropout`.
+    A drop-in for :class:`torch.nn.Dropout` (a subclass of it, with its signature and repr),
+    and the reference for dropout here: :func:`torch_pallas.dropout` is this module as a
+    function. Each call draws a fresh key (:ref:`where keys come from <key-sources>`) and the
+    backward pass regenerates the mask from that 8-byte key instead of storing it: the
+    autograd graph keeps 8 bytes per call instead of a mask as large as the input. An element
+    is kept when its float32 uniform number is below ``float32(1 - p)``; with
+    ``impl="threefry"`` the mask is bit for bit ``jax.random.bernoulli(key, 1 - p,
+    input.shape)``, whatever the device or the kernels' block sizes (:ref:`dropout's mask
+    <dropout-mask>`). As torch's dropout computes ``input * mask``, a dropped NaN or infinity
+    gives NaN, forward and backward, not 0. A float64 input gets the mask float32 gets from
+    the same key (the kernel draws it; Mosaic has no float64), applied in float64. A sharded
+    input runs shard by shard on its devices, forward and backward, the output and gradient
+    keep its sharding, and the mask is the unsharded one. In ``eval()`` mode it returns its
+    input, whatever its device and dtype.
 
     Args:
-        p (float): probability of an element being zeroed, in :math:`[0, 1]`. Default: 0.5.
+        p (float): probability of an element being zeroed, in :math:`[0, 1]`. ``p == 0``
+            returns the input; ``p == 1`` returns ``input * 0`` (zeros, with zero gradient).
+            Default: 0.5.
         inplace (bool): write the result into the input and return it, as
-            :class:`torch.nn.Dropout` does. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
-
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            in SPMD mode, how the input is sharded (as ``xs.mark_sharding`` takes it): the
-            kernel then runs on each device's shard, also under ``torch.compile`` and for
-            intermediate activations, whose sharding is otherwise not visible (see
-            :func:`torch_pallas.dropout`). Give both or neither.
+            :class:`torch.nn.Dropout` does (the gradient still flows through the mask).
+            Default: ``False``.
+        impl (str, optional): the noise generator, ``"threefry"`` or ``"hardware"`` (TPU
+            only) (:ref:`noise generators <noise-impls>`); default
+            :func:`torch_pallas.random.get_default_impl`, read at each call.
+        mesh, partition_spec: in SPMD mode, how the input is sharded (as ``xs.mark_sharding``
+            takes them; a ``jax.sharding.Mesh`` on torchax), resolved when the module is
+            built: the kernel then runs on each device's shard, also under ``torch.compile``
+            and for intermediate activations, whose sharding is otherwise not visible
+            (:ref:`sharded tensors <sharding-limits>`). Give both or neither.
 
     Shape:
         - Input: any shape (with ``partition_spec``, of its rank); in training mode float32,
-          bfloat16, float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU.
+          bfloat16, float16 or float64 (:ref:`dtypes`) on a device torch_pallas runs on
+          (:ref:`devices`).
         - Output: the input's shape and dtype.
 
     Raises:
@@ -84,20 +97,16 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
 _CHANNEL_DOC = r"""During training, zeroes entire channels with probability ``p`` and scales the rest by
     :math:`1/(1-p)`: a drop-in for :class:`torch.nn.{name}` (a subclass of it, with its
-    signature and repr) on XLA devices (and the CPU). Each call draws a fresh key from the
-    RNG of the input's device; the
-    mask has one element per (sample, channel). In ``eval()`` mode it returns its input.
+    signature and repr). Each call draws a fresh key, as :class:`Dropout`'s; the mask has one
+    element per (sample, channel). In ``eval()`` mode it returns its input.
     See :func:`torch_pallas.functional.{function}`.
 
     Args:
         p (float): probability of a channel being zeroed, in :math:`[0, 1]`. Default: 0.5.
-        inplace (bool): write the result into the input and return it. Default: ``False``.
-        impl (str, optional): ``"threefry"`` or ``"hardware"`` (TPU only); default
-            :func:`torch_pallas.random.get_default_impl` (``"threefry"`` unless changed).
+        inplace, impl: as :class:`Dropout` takes them.
 
     Shape:
-        - Input: ``{batched}`` or ``{unbatched}``; in training mode float32, bfloat16,
-          float16 or float64 on an XLA device, torchax's ``jax`` device or the CPU.
+        - Input: ``{batched}`` or ``{unbatched}``; in training mode as :class:`Dropout`'s.
         - Output: the input's shape and dtype.
 
     Raises:
@@ -140,8 +149,8 @@ def convert_dropout(model: torch.nn.Module, *, impl=None, mesh=None, partition_s
     Args:
         model (nn.Module): converted in place.
         impl (str, optional): passed to every new module.
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            passed to every new :class:`Dropout` (not to the channel variants, which run on
+        mesh, partition_spec: passed to every new :class:`Dropout` (not to the channel
+            variants, which run on
             the whole tensor): in SPMD mode, how the activations they see are sharded, for
             example ``("fsdp", None, None)`` for the (batch, sequence, features) activations
             of a model trained with FSDPv2. Every such dropout must then see tensors of

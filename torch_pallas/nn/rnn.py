@@ -52,8 +52,7 @@ class IndRNN(torch.nn.Module):
         recurrent_max_abs (float, optional): bound on :math:`|w_{hh}|`, enforced at
             initialisation and by :meth:`clip_recurrent_weights`, which you call after each
             optimizer step (or let :meth:`clip_after` register it as a step hook).
-        mesh (torch_xla.distributed.spmd.Mesh, optional), partition_spec (tuple, optional):
-            in SPMD mode, how a padded batched input is sharded (in its own layout, batch
+        mesh, partition_spec: in SPMD mode, how a padded batched input is sharded (in its own layout, batch
             first or not; time must not be split): every layer's recurrence and dropout then
             run on each device's shard, also under ``torch.compile``. Give both or neither.
 
@@ -68,8 +67,8 @@ class IndRNN(torch.nn.Module):
     Inputs: ``input, hx``
         input: ``(T, B, input_size)``, ``(B, T, input_size)`` with ``batch_first``,
             ``(T, input_size)`` unbatched, or a :class:`~torch.nn.utils.rnn.PackedSequence`
-            of sequences of different lengths; float, on an XLA device, torchax's ``jax`` device
-            or the CPU. Build a packed batch on the CPU and move it with ``.to(device)``, or with
+            of sequences of different lengths; float (:ref:`dtypes`), on a device torch_pallas
+            runs on (:ref:`devices`). Build a packed batch on the CPU and move it with ``.to(device)``, or with
             :func:`torch_pallas.packing.pack_padded_sequence`: torch_xla 2.9's
             ``pack_padded_sequence`` / ``pack_sequence`` return wrong data for XLA tensors.
         hx: ``(num_layers * num_directions, B, hidden_size)`` (no ``B`` if unbatched); zeros
@@ -199,6 +198,7 @@ class IndRNN(torch.nn.Module):
         return optimizer.register_step_post_hook(lambda *_: self.clip_recurrent_weights())
 
     def forward(self, input, hx: torch.Tensor | None = None):
+        """Runs every layer over ``input`` from ``hx``: the class's Inputs and Outputs."""
         packed = isinstance(input, PackedSequence)
         if packed:
             # Run in the packed batch's sorted order, as nn.RNN does; the kernels stop each
