@@ -48,6 +48,7 @@ elif importlib.util.find_spec("torchax") is not None:
 else:
     STACK = "dlpack"
 
+
 class FrontEnd(Protocol):
     """What every front end provides: the members of its module (``def name(...)`` without
     ``self``; a module is the implementation). :func:`check_front_end` holds a module to it."""
@@ -119,9 +120,12 @@ class GraphCompilingFrontEnd(FrontEnd, Protocol):
         """An AOTAutograd graph compiled as the stack's ``torch.compile`` backend compiles it."""
 
 
-def _members(protocol) -> dict[str, Optional[inspect.Signature]]:
-    """The members ``protocol`` declares itself: name -> signature without ``self`` (``None``
-    for a constant)."""
+PROTOCOLS = (FrontEnd, ShardingFrontEnd, GraphCompilingFrontEnd)
+
+
+def members_of(protocol) -> dict[str, Optional[inspect.Signature]]:
+    """The members one of :data:`PROTOCOLS` declares itself: name -> signature without
+    ``self`` (``None`` for a constant)."""
     members = {name: None for name in protocol.__dict__.get("__annotations__", {})}
     for name, value in vars(protocol).items():
         if inspect.isfunction(value) and not name.startswith("_"):
@@ -140,16 +144,15 @@ def check_front_end(module) -> None:
     """
     implements = getattr(module, "IMPLEMENTS", ())
     problems = [] if FrontEnd in implements else ["IMPLEMENTS does not name bridge.FrontEnd"]
-    for protocol in implements:
-        for base in reversed(protocol.__mro__):
-            if base is Protocol or base is object or not isinstance(base, type) or Protocol not in base.__bases__:
-                continue
-            for name, signature in _members(base).items():
-                value = getattr(module, name, None)
-                if value is None:
-                    problems.append(f"{name} ({base.__name__}) is missing")
-                elif signature is not None and (not callable(value) or _parameters(value) != _parameters(signature)):
-                    problems.append(f"{name} must take {signature}")
+    # each protocol with those it extends, once
+    protocols = [protocol for protocol in PROTOCOLS if any(protocol in named.__mro__ for named in implements)]
+    for protocol in protocols:
+        for name, signature in members_of(protocol).items():
+            value = getattr(module, name, None)
+            if value is None:
+                problems.append(f"{name} ({protocol.__name__}) is missing")
+            elif signature is not None and (not callable(value) or _parameters(value) != _parameters(signature)):
+                problems.append(f"{name} must take {signature}")
     if problems:
         raise TypeError(f"front end {module.__name__}: " + "; ".join(problems))
 
