@@ -120,6 +120,7 @@ class GraphCompilingFrontEnd(FrontEnd, Protocol):
         """An AOTAutograd graph compiled as the stack's ``torch.compile`` backend compiles it."""
 
 
+# Every protocol a front end may name in IMPLEMENTS, FrontEnd first.
 PROTOCOLS = (FrontEnd, ShardingFrontEnd, GraphCompilingFrontEnd)
 
 
