@@ -19,6 +19,7 @@ from torch_pallas import bridge, tpu_compile
 from torch_pallas.tpu_compile import GENERATIONS
 
 from conftest import NEEDS_LIBTPU, ON_TPU
+from hlo_dump import tpu_kernels
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
 
@@ -125,10 +126,16 @@ def test_the_routed_step_holds_the_kernels_as_tpu_custom_calls_and_draws_keys_on
 
 @pytest.mark.parametrize("generation", list(GENERATIONS))
 @pytest.mark.parametrize("dropout", ["torch_pallas", "torch"])
-def test_gpt2_training_step_compiles_whole_for_tpu(training_steps, dropout, generation):
+def test_gpt2_training_step_compiles_whole_for_tpu(training_steps, dropout, generation, tmp_path):
     outputs = training_steps[dropout].outputs
-    compiled = tpu_compile.compile_graph(outputs, generation)
+    compiled = tpu_compile.compile_graph(outputs, generation, dump_to=tmp_path)
     assert compiled.generation == generation and compiled.seconds > 0
+    # The compiled program names its kernels and counts their estimates: the 4 dropouts' forward
+    # and backward kernels, each of 2 x 16 x 32 or 2 x 2 x 16 x 16 = 1024 elements, one (1, 1024) block.
+    [program] = tmp_path.glob("*after_optimizations.txt")
+    kernels = tpu_kernels(program.read_text())
+    assert [name for name, _ in kernels] == ["dropout_threefry_b1x1024"] * (8 if dropout == "torch_pallas" else 0)
+    assert all(cost["bytes_accessed"] == 2 * 4 * 1024 + 8 for _, cost in kernels)
     # Every parameter's gradient and the loss are outputs (float32).
     parameter_bytes = sum(4 * output.numel() for output in outputs[1:])
     assert parameter_bytes <= compiled.output_bytes < 2 * parameter_bytes

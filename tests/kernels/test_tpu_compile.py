@@ -7,7 +7,8 @@ Each configuration runs XLA's TPU compiler and Mosaic's passes (:mod:`torch_pall
 kernel, both noise impls, every dtype the public API accepts, tiny, ragged, 1-D and large
 shapes (large enough that the default blocks reach their limits), with the library's
 default blocks and with forced non-default ones; the Mosaic IR version (pinned where the
-JAX version needs it); and blocks too large for VMEM failing with libtpu's message rather than a crash.
+JAX version needs it); blocks too large for VMEM failing with libtpu's message rather than a crash;
+and each kernel's name and cost estimate in the compiled program.
 """
 
 import functools
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import NEEDS_LIBTPU, ON_TPU
-from torch_pallas.kernels import attention, compat, dropout, dropout_matmul, indrnn, prng, sampling
+from hlo_dump import tpu_kernels
+from torch_pallas.kernels import attention, calls, compat, dropout, dropout_matmul, indrnn, prng, sampling
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
 
@@ -403,3 +405,99 @@ def test_indrnn_blocks_past_vmem_fail_clearly():
         compile_for_tpu(forward, sequence, weight, state, generation="v4")
     with pytest.raises(Exception, match=VMEM_ERROR):
         compile_for_tpu(backward, sequence, state, sequence, weight, state, generation="v4")
+
+
+# Names and cost estimates (torch_pallas.kernels.calls): each Mosaic custom call carries its name
+# (kernel, phase, variant, blocks) as the scope of its op_name, what TPU profiles show, and its cost
+# estimate in its backend config, which XLA's cost analysis adds up.
+
+def float32(*shape):
+    return jax.ShapeDtypeStruct(shape, F32)
+
+
+# Two blocks of queries and of keys in a short compile.
+SMALL_BLOCKS = attention.AttentionBlocks(128, 128)
+
+
+def indrnn_forward_and_backward(x, weight, h0, **options):
+    output, h_n = indrnn.indrnn_forward(x, weight, h0, interpret=False, **options)
+    return indrnn.indrnn_backward(output, h_n, output, weight, h0, interpret=False, **options)
+
+
+# (function, argument shapes, the names of its kernels) for every kernel family, both noise impls,
+# forward and backward, the attention kernels' variants (causal, several planes per step, the
+# query's gradient in the key-value kernel), with their default blocks (causal attention's small).
+NAMED_CASES = {
+    "dropout": (functools.partial(dropout.dropout, p=0.1, interpret=False), [KEY, float32(256, 1024)],
+                ["dropout_threefry_b256x1024"]),
+    "dropout_add-hardware": (functools.partial(dropout.dropout_add, p=0.1, impl="hardware", interpret=False),
+                             [KEY, float32(256, 1024), float32(256, 1024)], ["dropout_add_hardware_b256x1024"]),
+    "normal": (functools.partial(sampling.normal, shape=(64, 1024), interpret=False), [KEY],
+               ["sample_normal_threefry_b64x1024"]),
+    "attention-causal": (functools.partial(attention_forward_and_backward, dropout_p=0.1, causal=True,
+                                           blocks=SMALL_BLOCKS, backward_blocks=SMALL_BLOCKS),
+                         [KEY, *[float32(1, 2, 256, 64)] * 3],
+                         ["attention_fwd_threefry_causal_b128x128", "attention_dkv_threefry_causal_b128x128",
+                          "attention_dq_threefry_causal_b128x128"]),
+    "attention-vit": (attention_forward_and_backward, [KEY, *[float32(1, 8, 197, 64)] * 3],
+                      ["attention_fwd_p8_b197x197", "attention_dqkv_p8_b197x197"]),
+    "softmax_dropout_matmul": (functools.partial(dropout_matmul_forward_and_backward, p=0.1, softmax=True),
+                               [KEY, float32(1, 2, 256, 1024), float32(1, 2, 1024, 64)],
+                               ["softmax_dropout_matmul_fwd_threefry_b128x1024",
+                                "softmax_dropout_matmul_bwd_threefry_b128x1024"]),
+    "indrnn": (functools.partial(indrnn_forward_and_backward, nonlinearity="tanh"),
+               [float32(64, 8, 256), float32(256), float32(8, 256)],
+               ["indrnn_fwd_tanh_b64x8x256", "indrnn_bwd_tanh_b64x8x256"]),
+}
+
+
+# Estimates worked out by hand from the kernels' counts: elementwise kernels move their operands
+# and output once and work per element (the noise's integer work counted as flops,
+# prng.NOISE_OPS); attention computes one exponential per score of the blocks that run (causal:
+# 3 of the 2 x 2 blocks of 128 x 128 per plane).
+ELEMENTS = 256 * 1024
+EXPECTED_COSTS = {
+    "dropout_threefry_b256x1024": dict(flops=ELEMENTS * (prng.NOISE_OPS["threefry"] + 4), transcendentals=0,
+                                       bytes_accessed=2 * 4 * ELEMENTS + 8),
+    "dropout_add_hardware_b256x1024": dict(flops=ELEMENTS * (prng.NOISE_OPS["hardware"] + 5), transcendentals=0,
+                                           bytes_accessed=3 * 4 * ELEMENTS + 8),
+    "sample_normal_threefry_b64x1024": dict(transcendentals=2 * 64 * 1024, bytes_accessed=4 * 64 * 1024 + 8),
+    "attention_fwd_threefry_causal_b128x128": dict(transcendentals=2 * 3 * 128 * 128),
+    "attention_fwd_p8_b197x197": dict(transcendentals=8 * 197 * 197),
+    "indrnn_fwd_tanh_b64x8x256": dict(flops=3 * 64 * 8 * 256, transcendentals=64 * 8 * 256,
+                                      bytes_accessed=4 * (2 * 64 * 8 * 256 + 256 + 2 * 8 * 256)),
+}
+
+
+def compiled_kernels(function, args):
+    """The program compiled for v5e and its kernels' ``(name, cost estimate)``."""
+    compiled = compile_for_tpu(function, *args, generation="v5e")
+    return compiled, tpu_kernels(compiled.as_text())
+
+
+@pytest.mark.parametrize("case", list(NAMED_CASES))
+def test_each_compiled_kernel_carries_its_name_and_cost_estimate(case):
+    function, args, names = NAMED_CASES[case]
+    _, kernels = compiled_kernels(function, args)
+    assert sorted({name for name, _ in kernels}) == sorted(names)
+    for name, cost in kernels:
+        assert cost["flops"] > 0 and cost["bytes_accessed"] > 0, (name, cost)
+        expected = EXPECTED_COSTS.get(name, {})
+        assert {key: cost[key] for key in expected} == expected, name
+
+
+def test_xla_counts_the_kernels_estimate():
+    function, args, [name] = NAMED_CASES["dropout"]
+    compiled, [(_, cost)] = compiled_kernels(function, args)
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    # Without an estimate XLA counts a Mosaic kernel as no flops and no total bytes.
+    assert analysis["flops"] == cost["flops"] == EXPECTED_COSTS[name]["flops"]
+    assert analysis["bytes accessed"] == cost["bytes_accessed"]
+
+
+def test_kernel_names_are_stable_identifiers():
+    assert calls.kernel_name("dropout", "", "threefry", blocks=(256, 1024)) == "dropout_threefry_b256x1024"
+    assert calls.kernel_name("indrnn", "fwd", "relu", blocks=(64, 8, 256)) == "indrnn_fwd_relu_b64x8x256"
+    with pytest.raises(ValueError, match="identifier"):
+        calls.kernel_name("dropout", "p=0.5", blocks=(8, 128))

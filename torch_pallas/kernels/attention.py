@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments, compat, prng, tiling
+from torch_pallas.kernels import arguments, calls, compat, prng, tiling
 
 # The forward kernel keeps its row statistics (running maximum and sum) and writes the
 # log-sum-exp as (rows, ROW_STAT_LANES) float32 blocks, every lane the row's value (see _lanes).
@@ -363,6 +363,66 @@ class _Static:
     def _reads_transposed(self, cols: int) -> bool:
         return self.S_padded == self.blocks.kv and lanes_transposed(self.S_padded, cols)
 
+    def kernel_name(self, kernel: str, phase: str) -> str:
+        """``kernel``'s name for XLA (:func:`calls.kernel_name`) in ``phase``: the noise impl
+        where it drops weights, causal, the planes per step (``p8``) and the score block."""
+        return calls.kernel_name(kernel, phase, self.impl if self.dropout_p else "", "causal" if self.causal else "",
+                                 f"p{self.blocks.planes}" if self.blocks.planes > 1 else "",
+                                 blocks=(self.blocks.q, self.blocks.kv))
+
+    def block_bytes(self, rows: int, cols: int, dtype, blocked: bool = True) -> int:
+        """Bytes of a block of ``rows x cols`` per plane of the step (one plane where the
+        step's planes share it: not ``blocked``)."""
+        return (self.blocks.planes if blocked else 1) * rows * cols * jnp.dtype(dtype).itemsize
+
+
+# Per score, besides its matrix products, its exponential and its dropout, for the kernels' cost
+# estimates: the scaling, the row maximum or shift, the sum or the gradient's subtraction and
+# product, a select.
+_SCORE_FLOPS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWalk:
+    """How an attention-shaped grid ``(plane steps, outer blocks, inner blocks)`` walks a
+    ``static.problem``: ``runs`` of the (outer, inner) pairs of a plane step run (all, or with
+    ``causal`` those that see a key at or before their last row)."""
+    static: _Static
+    num_outer: int
+    num_inner: int
+    runs: int
+
+    @classmethod
+    def of(cls, static: _Static, num_outer: int, num_inner: int, kv_major: bool) -> BlockWalk:
+        num_q, num_kv = (num_inner, num_outer) if kv_major else (num_outer, num_inner)
+        runs = num_q * num_kv
+        if static.causal:
+            runs = sum(min(_last_needed_kv_block(static, q_index), num_kv - 1) + 1 for q_index in range(num_q))
+        return cls(static, num_outer, num_inner, runs)
+
+    def fetched(self, block_bytes: int, follows: str) -> int:
+        """Bytes a BlockSpec of ``block_bytes`` blocks moves from HBM when its block index (besides
+        the plane) follows ``follows``: ``"outer"``, ``"inner"`` or ``"both"`` grid axes. Pallas
+        fetches a block when its index differs from the previous step's: one that follows the
+        inner axis alone is fetched again for each outer block (once per plane step where the
+        inner axis has one block)."""
+        fetches = {"outer": self.num_outer, "inner": self.runs if self.num_inner > 1 else 1, "both": self.runs}[follows]
+        return self.static.grid_planes * fetches * block_bytes
+
+    def cost(self, *, bytes_accessed: int, matmul_lanes: int, elementwise: int = _SCORE_FLOPS,
+             exponentials: bool = True, dropout_selects: int = 1) -> pl.CostEstimate:
+        """The estimate of a kernel whose every running score takes part in matrix products over
+        ``matmul_lanes`` lanes in all (2 flops each), ``elementwise`` other flops, an exponential
+        (``exponentials``) and with dropout its noise (:data:`prng.NOISE_OPS`), keep test and
+        ``dropout_selects`` selects."""
+        static = self.static
+        scores = static.problem.size * self.runs * static.blocks.q * static.blocks.kv
+        per_score = 2 * matmul_lanes + elementwise
+        if static.dropout_p:
+            per_score += prng.NOISE_OPS[static.impl] + 1 + dropout_selects
+        return calls.cost_estimate(bytes_accessed=bytes_accessed, flops=scores * per_score,
+                                   transcendentals=scores if exponentials else 0)
+
 
 def lanes_transposed(rows: int, cols: int) -> bool:
     """Whether ``(rows, cols)`` planes take fewer bytes in HBM as ``(cols, rows)``. TPU arrays
@@ -660,6 +720,26 @@ def _specs(static: _Static, has_bias: bool, kv_major: bool):
     return specs, ordered, q_block
 
 
+def _operands_fetched(walk: BlockWalk, q, k, v, bias, *, kv_major: bool, grad_out=None) -> int:
+    """Bytes the BlockSpecs of :func:`_specs` move over ``walk``'s grid, and with ``grad_out`` those
+    of the backward kernels' per-row operands (the output's gradient, the log-sum-exp and
+    ``delta``, one float32 per row each): the query's and the rows' blocks follow the q axis, the
+    key's and value's the kv axis, a mask's both (a mask of one row: the kv axis)."""
+    static, problem, blocks = walk.static, walk.static.problem, walk.static.blocks
+    q_axis, kv_axis = ("inner", "outer") if kv_major else ("outer", "inner")
+    row_bytes = static.block_bytes(blocks.q, problem.E, q.dtype)
+    if grad_out is not None:
+        row_bytes += (static.block_bytes(blocks.q, problem.Ev, grad_out.dtype)
+                      + 2 * static.block_bytes(1, blocks.q, jnp.float32))
+    total = walk.fetched(row_bytes, q_axis)
+    total += walk.fetched(static.block_bytes(blocks.kv, problem.E + problem.Ev, k.dtype, static.kv_blocked), kv_axis)
+    if bias is not None:
+        rows = blocks.q if problem.bias_rows != 1 else 1
+        total += walk.fetched(static.block_bytes(rows, blocks.kv, bias.dtype, static.bias_blocked),
+                              "both" if rows != 1 else kv_axis)
+    return total
+
+
 def noise_words(key_data, impl, shard_offset):
     """The kernels' SMEM words: the key (for the hardware PRNG ``to_pallas_key``'s), then for a
     shard the [high, low] words of its first plane's flat batch index."""
@@ -727,20 +807,27 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     specs, _, _ = _specs(static, bias is not None, kv_major=False)
     grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
-    out, lse = pl.pallas_call(
+    words = noise_words(key_data, impl, shard_offset)
+    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
+                 jax.ShapeDtypeStruct((problem.size, L_padded, ROW_STAT_LANES), jnp.float32)]
+    walk = BlockWalk.of(static, *grid[1:], kv_major=False)
+    out, lse = calls.pallas_call(
         _over_planes(functools.partial(_forward_kernel, static=static, has_bias=bias is not None), static,
                      bias is not None),
+        name=static.kernel_name("attention", "fwd"),
+        cost_estimate=walk.cost(
+            bytes_accessed=_operands_fetched(walk, q, k, v, bias, kv_major=False) + calls.nbytes(words, *out_shape),
+            matmul_lanes=problem.E + problem.Ev),
         grid=grid,
         in_specs=specs,
         out_specs=[pl.BlockSpec((static.plane_dim, blocks.q, problem.Ev), out_index),
                    pl.BlockSpec((static.plane_dim, blocks.q, ROW_STAT_LANES), out_index)],
-        out_shape=[jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
-                   jax.ShapeDtypeStruct((problem.size, L_padded, ROW_STAT_LANES), jnp.float32)],
+        out_shape=out_shape,
         scratch_shapes=[static.scratch(blocks.q, ROW_STAT_LANES), static.scratch(blocks.q, ROW_STAT_LANES),
                         static.scratch(blocks.q, problem.Ev)],
         compiler_params=compiler_params(),
         interpret=interpret,
-    )(*[noise_words(key_data, impl, shard_offset), q, k, v, *([] if bias is None else [bias])])
+    )(*[words, q, k, v, *([] if bias is None else [bias])])
     out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
     # One barrier for both outputs makes XLA take the one lane of the log-sum-exp that the
     # backward pass needs when the forward pass reads the output: left to itself it schedules
@@ -859,10 +946,19 @@ def _query_gradients(static: _Static, operands, has_bias, bias_grad, dtype, L_pa
     if bias_grad:
         out_specs.append(pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)))
         out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
-    return pl.pallas_call(
+    grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
+    walk = BlockWalk.of(static, *grid[1:], kv_major=False)
+    words, q, k, v, *bias, grad_out, _, _ = operands
+    return calls.pallas_call(
         _over_planes(functools.partial(_query_kernel, static=static, has_bias=has_bias, bias_grad=bias_grad), static,
                      has_bias),
-        grid=(static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv),
+        name=static.kernel_name("attention", "dq"),
+        cost_estimate=walk.cost(
+            bytes_accessed=_operands_fetched(walk, q, k, v, bias[0] if bias else None, kv_major=False,
+                                             grad_out=grad_out)
+            + calls.nbytes(words, *out_shape),
+            matmul_lanes=2 * problem.E + problem.Ev),
+        grid=grid,
         in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -947,9 +1043,15 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
             out_specs.append(pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv),
                                           ordered(lambda b, i, j: (b, q_block(i, j), j))))
             out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), jnp.float32))
-    grad_k, grad_v, *grads = pl.pallas_call(
+    walk = BlockWalk.of(static, num_kv, num_q, kv_major=True)
+    grad_k, grad_v, *grads = calls.pallas_call(
         _over_planes(functools.partial(_key_value_kernel, static=static, has_bias=has_bias, with_query=with_query,
                                        bias_grad=with_query and bias_grad), static, has_bias),
+        name=static.kernel_name("attention", "dqkv" if with_query else "dkv"),
+        cost_estimate=walk.cost(
+            bytes_accessed=_operands_fetched(walk, q, k, v, prepared_bias, kv_major=True, grad_out=grad_out)
+            + calls.nbytes(operands[0], *out_shape),
+            matmul_lanes=(3 if with_query else 2) * problem.E + 2 * problem.Ev, dropout_selects=2),
         grid=(static.grid_planes, num_kv, num_q),
         in_specs=[*specs, row_spec(problem.Ev), row_stat, row_stat],
         out_specs=out_specs,

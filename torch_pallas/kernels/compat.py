@@ -12,6 +12,10 @@ and the newest, 0.10.2), in one place: the kernels themselves are the same code 
   ask; setting it there is harmless.
 - ``pltpu.repeat`` (a Mosaic primitive in jax 0.7.1) is gone in jax 0.10, where Pallas TPU
   lowers ``jnp.tile`` to the same copies of whole vregs: :func:`repeat`.
+- A kernel's ``name=``: jax 0.8.1 and later put the ``pallas_call`` in a scope of that name,
+  so its custom call's ``op_name`` (what HLO dumps and TPU profiles show) carries it; jax 0.7.1
+  puts it only on the StableHLO custom call, which drops it on the way to HLO:
+  :func:`kernel_scope`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 # jax before 0.8 writes IR version 8 unless its build-date rule (cut-off 2025-08-14) finds
 # the runtime older; libtpu 0.0.21 was built a day after it and accepts up to 7.
 _NEEDS_IR_VERSION_PIN = JAX_VERSION < (0, 8, 0)
+# jax commit 0f26969 (November 2025, first released in 0.8.1) wraps pallas_call's bind in
+# named_scope(name).
+_PALLAS_CALL_NAMES_ITS_SCOPE = JAX_VERSION >= (0, 8, 1)
 
 
 def pin_mosaic_ir_version() -> bool:
@@ -81,3 +88,9 @@ def repeat(x, repeats: int, axis: int):
     if hasattr(pltpu, "repeat"):
         return pltpu.repeat(x, repeats, axis=axis)
     return jnp.tile(x, [repeats if dim == axis % x.ndim else 1 for dim in range(x.ndim)])
+
+
+def kernel_scope(name: str):
+    """A context in which a ``pallas_call`` named ``name`` gets the name scope jax 0.8.1 and
+    later give it themselves (op_name ``.../NAME/pallas_call``); on those, nothing."""
+    return contextlib.nullcontext() if _PALLAS_CALL_NAMES_ITS_SCOPE else jax.named_scope(name)

@@ -27,6 +27,11 @@ def kept_values(keep, values, keep_probability) -> jax.Array:
     return jnp.where(keep, wide / keep_probability, wide * 0.0)
 
 
+# Per element, for the kernel's cost estimate: the keep test, the scaling, ``x * 0`` and the
+# select (as XLA counts :func:`_apply_mask`), and with a residual its add.
+_MASK_FLOPS = 4
+
+
 def _apply_mask(bits, values, *residual, keep_probability):
     out = kept_values(prng.bernoulli_from_bits(bits, keep_probability), values, keep_probability)
     if residual:
@@ -97,6 +102,9 @@ def _masked(key_data, operands, *, p, impl, interpret, blocks, shared_over_first
                        blocks=blocks, shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
                        shard_offset=shard_offset).astype(x.dtype)
     transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
+    residual = len(operands) - 1
     return elementwise.noise_map(key_data, x.shape, transform, x.dtype, tuple(operands), impl=impl,
                                  interpret=interpret, blocks=blocks, shared_over_first_dim=shared_over_first_dim,
-                                 global_shape=global_shape, shard_offset=shard_offset)
+                                 global_shape=global_shape, shard_offset=shard_offset,
+                                 name="dropout_add" if residual else "dropout",
+                                 element_cost=(_MASK_FLOPS + residual, 0))

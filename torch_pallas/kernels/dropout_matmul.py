@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments, attention, prng, tiling
+from torch_pallas.kernels import arguments, attention, calls, prng, tiling
 from torch_pallas.kernels.dropout import kept_values
 
 
@@ -101,6 +101,17 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
     return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
 
 
+# Per weight, for the kernels' cost estimates: a kept weight's scaling and ``x * 0`` (the select
+# and the noise are counted with the dropout), and with softmax=True its shift, row maximum, sum
+# and division (the backward kernels' softmax backward as many again).
+_MASK_FLOPS = 2
+_SOFTMAX_FLOPS = 4
+
+
+def _kernel_name(static, softmax: bool, phase: str) -> str:
+    return static.kernel_name("softmax_dropout_matmul" if softmax else "dropout_matmul", phase)
+
+
 def _softmax(scores, dtype):
     """``softmax(scores, -1)`` of a block of whole rows, computed in float32 and rounded to
     ``dtype`` as torch's softmax of a ``dtype`` tensor; an all ``-inf`` row gives NaN, as torch's."""
@@ -162,14 +173,24 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False,
                                                        softmax)
     problem, blocks = static.problem, static.blocks
-    out = pl.pallas_call(
+    grid = (problem.size, L_padded // blocks.q, S_padded // blocks.kv)
+    out_shape = jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype)
+    walk = attention.BlockWalk.of(static, *grid[1:], kv_major=False)
+    out = calls.pallas_call(
         functools.partial(_forward_kernel, static=static, softmax=softmax),
-        grid=(problem.size, L_padded // blocks.q, S_padded // blocks.kv),
+        name=_kernel_name(static, softmax, "fwd"),
+        cost_estimate=walk.cost(
+            bytes_accessed=walk.fetched(static.block_bytes(blocks.q, blocks.kv, w.dtype), "both")
+            + walk.fetched(static.block_bytes(blocks.kv, problem.Ev, v.dtype), "inner")
+            + calls.nbytes(words, out_shape),
+            matmul_lanes=problem.Ev, elementwise=_MASK_FLOPS + (_SOFTMAX_FLOPS if softmax else 0),
+            exponentials=softmax),
+        grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
                   attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, i, j: (b, j))],
         out_specs=pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, i, j: (b, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype),
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
         compiler_params=attention.compiler_params(),
         interpret=interpret,
@@ -223,19 +244,30 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
                                                        softmax)
     problem, blocks = static.problem, static.blocks
     grad_out = attention.padded(attention.flatten(grad_out.astype(weights.dtype)), 1, L_padded)
-    grad_w, grad_v = pl.pallas_call(
+    # The value's gradient sums over the rows of L: they are the innermost axis, so each block of
+    # it stays in VMEM until it is whole.
+    grid = (problem.size, S_padded // blocks.kv, L_padded // blocks.q)
+    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), weights.dtype),
+                 jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), value.dtype)]
+    walk = attention.BlockWalk.of(static, *grid[1:], kv_major=True)
+    grad_w, grad_v = calls.pallas_call(
         functools.partial(_backward_kernel, static=static, softmax=softmax),
-        # The value's gradient sums over the rows of L: they are the innermost axis, so each
-        # block of it stays in VMEM until it is whole.
-        grid=(problem.size, S_padded // blocks.kv, L_padded // blocks.q),
+        name=_kernel_name(static, softmax, "bwd"),
+        cost_estimate=walk.cost(
+            bytes_accessed=walk.fetched(static.block_bytes(blocks.q, blocks.kv, w.dtype), "both")
+            + walk.fetched(static.block_bytes(blocks.kv, problem.Ev, v.dtype), "outer")
+            + walk.fetched(static.block_bytes(blocks.q, problem.Ev, grad_out.dtype), "inner")
+            + calls.nbytes(words, *out_shape),
+            matmul_lanes=2 * problem.Ev, elementwise=2 * (_MASK_FLOPS + (_SOFTMAX_FLOPS if softmax else 0)),
+            exponentials=softmax, dropout_selects=2),
+        grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
                   attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, j, i: (b, j)),
                   pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, j, i: (b, i, 0))],
         out_specs=[pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
                    pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), weights.dtype),
-                   jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), value.dtype)],
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
         compiler_params=attention.compiler_params(),
         interpret=interpret,

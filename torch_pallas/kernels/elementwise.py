@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import prng, tiling
+from torch_pallas.kernels import calls, prng, tiling
 
 
 def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
@@ -191,7 +191,8 @@ def _first_tile(shard_offset: jax.Array, global_cols: int, one_row: bool, seed_t
 def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple = (), *,
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
               shared_over_first_dim: bool = False, global_shape=None,
-              shard_offset: jax.Array | None = None) -> jax.Array:
+              shard_offset: jax.Array | None = None, name: str = "noise",
+              element_cost: tuple[int, int] = (0, 0)) -> jax.Array:
     """``transform(bits, *operands)`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
@@ -215,6 +216,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
             words of the 64-bit flat index in the whole tensor of the shard's first element
             (with ``shared_over_first_dim``, of its first element along the other dims).
             Data, not a static value: every shard runs the same compiled kernel.
+        name: the kernel's name for XLA (:func:`calls.kernel_name` adds ``impl`` and the blocks).
+        element_cost: ``transform``'s flops and transcendentals per element, for the kernel's
+            cost estimate (the noise's own work is added).
 
     Raises:
         ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard
@@ -289,13 +293,26 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
             operand = jnp.pad(operand, ((0, view_rows - rows), (0, view_cols - cols)))
         in_specs.append(block_spec)
         arguments.append(operand)
+    out_shape = jax.ShapeDtypeStruct(view_shape, out_dtype)
+    chunk_shape = tiling.chunk_shape(blocks, interpret=interpret, seed_tile=seed_tile)
+    elements = math.prod(view_shape)
+    # A mask shared over the first dim draws threefry bits for one row of each chunk.
+    drawn = elements // chunk_shape[0] if row_stride == 0 and not hardware else elements
+    flops, transcendentals = element_cost
+    cost = calls.cost_estimate(bytes_accessed=calls.nbytes(*arguments, out_shape),
+                               flops=drawn * prng.NOISE_OPS[impl] + elements * flops,
+                               transcendentals=elements * transcendentals)
+    name = calls.kernel_name(name, impl, "columns" if blocks.column_major_grid else "",
+                             blocks=(blocks.rows, blocks.cols))
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
         outer_stride=outer_stride, sharded=sharded, wide=wide, column_major_grid=blocks.column_major_grid,
-        chunk_shape=tiling.chunk_shape(blocks, interpret=interpret, seed_tile=seed_tile))
-    out = pl.pallas_call(
+        chunk_shape=chunk_shape)
+    out = calls.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(view_shape, out_dtype),
+        name=name,
+        cost_estimate=cost,
+        out_shape=out_shape,
         grid=grid,
         in_specs=in_specs,
         out_specs=block_spec,

@@ -76,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments, tiling
+from torch_pallas.kernels import arguments, calls, tiling
 
 __all__ = ["NONLINEARITIES", "check_nonlinearity", "indrnn_forward", "indrnn_backward"]
 
@@ -305,25 +305,21 @@ def _forward_call(x, weight, h0, lengths, *, nonlinearity: str, interpret: bool,
     kernel = functools.partial(_forward_kernel, nonlinearity=nonlinearity, interpret=interpret,
                                has_lengths=lengths is not None, **specs.kernel_options)
     optional = [] if lengths is None else [lengths]
-    itemsize = x.dtype.itemsize
-    return pl.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((T, B, F), x.dtype), jax.ShapeDtypeStruct((B, F), x.dtype))
+    return calls.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((T, B, F), x.dtype),
-            jax.ShapeDtypeStruct((B, F), x.dtype),
-        ),
+        name=calls.kernel_name("indrnn", "fwd", nonlinearity, blocks=(blocks.time, blocks.batch, blocks.features)),
+        # Per element: the weight's product, the input's add and the nonlinearity.
+        cost_estimate=calls.cost_estimate(bytes_accessed=calls.nbytes(x, weight, h0, *optional, *out_shape),
+                                          flops=3 * T * B * F,
+                                          transcendentals=T * B * F if nonlinearity == "tanh" else 0),
+        out_shape=out_shape,
         grid=specs.grid,
         in_specs=[specs.sequence_spec, specs.weight_spec, specs.state_spec] + [specs.lengths_spec] * len(optional),
         out_specs=(specs.sequence_spec, specs.state_spec),
         scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
-        cost_estimate=pl.CostEstimate(
-            flops=3 * T * B * F,
-            transcendentals=T * B * F if nonlinearity == "tanh" else 0,
-            bytes_accessed=2 * T * B * F * itemsize + 2 * B * F * itemsize + F * weight.dtype.itemsize,
-        ),
         interpret=interpret,
-        name=f"indrnn_forward_{nonlinearity}",
     )(x, weight.reshape(1, F), h0, *optional)
 
 
@@ -539,27 +535,27 @@ def _backward_call(grad_output, grad_h_n, output, weight, h0, lengths, *, nonlin
         kernel = _ignoring_input(kernel, len(inputs))
         inputs.append(jnp.zeros((T, B, F), output.dtype))
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    itemsize = output.dtype.itemsize
-    grad_x, grad_h0, grad_weight_rows = pl.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((T, B, F), output.dtype), jax.ShapeDtypeStruct((B, F), h0.dtype),
+                 jax.ShapeDtypeStruct((B, F), jnp.float32))
+    # Each time block also reads the output's row before it (previous_row_spec).
+    previous_rows = num_time_blocks * B * F * output.dtype.itemsize
+    grad_x, grad_h0, grad_weight_rows = calls.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((T, B, F), output.dtype),
-            jax.ShapeDtypeStruct((B, F), h0.dtype),
-            jax.ShapeDtypeStruct((B, F), jnp.float32),
-        ),
+        name=calls.kernel_name("indrnn", "bwd", nonlinearity, blocks=(blocks.time, blocks.batch, blocks.features)),
+        # Per element: the nonlinearity's derivative, the gradient's product and add, and the
+        # weight gradient's product and sum.
+        cost_estimate=calls.cost_estimate(
+            bytes_accessed=calls.nbytes(grad_output, grad_h_n, output, weight, h0, *optional, *out_shape)
+            + previous_rows,
+            flops=6 * T * B * F),
+        out_shape=out_shape,
         grid=specs.grid,
         in_specs=in_specs,
         out_specs=(specs.sequence_spec, specs.state_spec, specs.state_spec),
         input_output_aliases=aliases,
         scratch_shapes=[pltpu.VMEM((blocks.batch, blocks.features), jnp.float32)],
         compiler_params=_compiler_params(),
-        cost_estimate=pl.CostEstimate(
-            flops=6 * T * B * F,
-            transcendentals=0,
-            bytes_accessed=(3 * T * B * F + num_time_blocks * B * F + 3 * B * F) * itemsize + 4 * B * F,
-        ),
         interpret=interpret,
-        name=f"indrnn_backward_{nonlinearity}",
     )(*inputs)
     grad_weight = jnp.sum(grad_weight_rows, axis=0).astype(weight.dtype)
     return grad_x, grad_weight, grad_h0

@@ -41,6 +41,13 @@ from torch_pallas.kernels import arguments
 THREEFRY = "threefry"
 HARDWARE = "hardware"
 IMPLS = (THREEFRY, HARDWARE)
+# Each generator's work per element of noise, integer work that kernels count as flops in
+# their cost estimates (XLA's cost analysis counts every elementwise op, integer ones too, as
+# a flop): threefry's 20 rounds of an add, a rotation (two shifts and an or) and a xor, its 5
+# key injections of two adds, the counter and the final xor, 113 (what XLA counts for the same
+# jnp ops outside a kernel); the hardware PRNG's one instruction per vreg of bits, 1 (a tile's
+# seeding is scalar work).
+NOISE_OPS = {THREEFRY: 113, HARDWARE: 1}
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_SCHEDULE_PARITY = np.uint32(0x1BD11BDA)

@@ -18,6 +18,10 @@ import jax.numpy as jnp
 from torch_pallas.kernels import arguments, elementwise, prng, tiling
 
 DISTRIBUTIONS = ("uniform", "normal", "bernoulli")
+# Flops and transcendentals per element of each distribution's conversion from bits, for the
+# kernel's cost estimate, as XLA counts them (the normal's erf_inv: a logarithm, a square root
+# and its polynomials).
+_CONVERSION_COST = {"uniform": (5, 0), "normal": (46, 2), "bernoulli": (2, 0)}
 
 
 def _bernoulli_as_int32(bits, p):
@@ -71,9 +75,11 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
         transform, kernel_dtype = functools.partial(prng.uniform_from_bits, dtype=out_dtype), out_dtype
     else:
         transform, kernel_dtype = functools.partial(prng.normal_from_bits, dtype=out_dtype), out_dtype
+    # A float16 normal's conversion runs outside the kernel, which draws uniforms.
+    in_kernel = "uniform" if float16 else distribution
     out = elementwise.noise_map(key_data, shape, transform, kernel_dtype, impl=impl, interpret=interpret,
-                                blocks=blocks, global_shape=global_shape,
-                                shard_offset=shard_offset).astype(out_dtype)
+                                blocks=blocks, global_shape=global_shape, shard_offset=shard_offset,
+                                name=f"sample_{in_kernel}", element_cost=_CONVERSION_COST[in_kernel]).astype(out_dtype)
     return prng.normal_from_uniform(out) if float16 and distribution == "normal" else out
 
 
