@@ -159,8 +159,9 @@ def measure(function, args, generation):
 
 
 def _cost_bytes(cost):
-    """XLA's "bytes accessed": its total where the kernel has a cost_estimate (IndRNN); a Pallas call
-    without one is missing from the total, so then the sum of its operands' and outputs' sizes."""
+    """XLA's "bytes accessed": its total where the kernel has a cost_estimate (every kernel since
+    kernels/calls.py; only IndRNN's before); a Pallas call without one is missing from the total,
+    so then the sum of its operands' and outputs' sizes."""
     operands = sum(v for k, v in cost.items() if re.fullmatch(r"bytes accessed(\d+|out)\{\d*\}", k))
     return max(cost.get("bytes accessed", 0.0), operands)
 

@@ -81,7 +81,7 @@ class AttentionBlocks:
     planes: int | None = None
 
     def __post_init__(self):
-        tiling._check_positive_ints(self, ("q", "kv") if self.planes is None else ("q", "kv", "planes"))
+        tiling.check_positive_ints(self, ("q", "kv") if self.planes is None else ("q", "kv", "planes"))
 
 
 @dataclasses.dataclass(frozen=True)

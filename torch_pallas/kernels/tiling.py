@@ -54,7 +54,7 @@ _TPU_UNROLL = 8
 _INTERPRET_UNROLL = 1
 
 
-def _check_positive_ints(blocks, names) -> None:
+def check_positive_ints(blocks, names) -> None:
     for name in names:
         object.__setattr__(blocks, name, check_positive_int(getattr(blocks, name), f"{type(blocks).__name__}.{name}"))
 
@@ -70,7 +70,7 @@ class ElementwiseBlocks:
     column_major_grid: bool = False
 
     def __post_init__(self):
-        _check_positive_ints(self, ("rows", "cols"))
+        check_positive_ints(self, ("rows", "cols"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class RecurrenceBlocks:
     unroll: int | None = None
 
     def __post_init__(self):
-        _check_positive_ints(self, ("time", "batch", "features") + (("unroll",) if self.unroll is not None else ()))
+        check_positive_ints(self, ("time", "batch", "features") + (("unroll",) if self.unroll is not None else ()))
 
 
 def widen_float16(*arrays):
