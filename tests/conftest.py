@@ -1,8 +1,9 @@
-"""Suite-wide set-up: the stack (torch_xla's or torchax's: whichever this environment has), its
-device (CPU unless PJRT_DEVICE says otherwise) and TPU gating.
+"""Suite-wide set-up: the stack (torch_xla's, torchax's or TorchTPU's: whichever this environment
+has), its device (CPU unless PJRT_DEVICE says otherwise) and TPU gating.
 
-``tests/kernels`` (pure JAX) runs on both stacks; the other ``tests/test_*.py`` test the
-torch_xla stack and ``tests/torchax`` the torchax stack; each stack's run skips the other's.
+``tests/kernels`` (pure JAX) runs on every stack; the other ``tests/test_*.py`` test the
+torch_xla stack, ``tests/torchax`` the torchax stack and ``tests/torchtpu`` the TorchTPU stack;
+each stack's run skips the others'.
 """
 
 import importlib.util
@@ -17,6 +18,11 @@ if os.environ["PJRT_DEVICE"] != "TPU":
         # torchax's JAX would otherwise try libtpu's TPU backend first (torch_xla's CPU
         # client keeps JAX on the CPU itself: torch_pallas.frontends.xla).
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if importlib.util.find_spec("torch_tpu") is not None:
+        # torch loads torch_tpu at import; without these, libtpu waits minutes for cloud
+        # metadata the first time tests/torchtpu registers the tpu device without a TPU.
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import pytest  # noqa: E402
 
@@ -47,6 +53,8 @@ if STACK != "xla":
     collect_ignore_glob += ["test_*.py"]
 if STACK != "torchax":
     collect_ignore += ["torchax"]
+if STACK != "torchtpu":
+    collect_ignore += ["torchtpu"]
 
 
 def pytest_collection_modifyitems(config, items):

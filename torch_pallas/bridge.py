@@ -6,6 +6,8 @@ only place touching its library:
 - ``xla``: torch_xla's lazy tensors (a kernel is one node of the lazy XLA graph);
 - ``torchax``: torchax tensors (torch tensors holding a ``jax.Array``; the kernel is applied
   to the array, eagerly or inside a JAX trace);
+- ``torchtpu``: TorchTPU's ``tpu`` tensors (a kernel is a custom op TorchTPU's ``jax_op``
+  makes, exported for TPU);
 - ``dlpack``: plain CPU tensors, handed to JAX on the CPU without a copy.
 
 A front end is chosen by the tensor's device type and imported the first time a tensor of
@@ -37,14 +39,25 @@ if TYPE_CHECKING:
     from torch_pallas.sharding import Sharding
 
 # torch device type -> the front end's module (in torch_pallas.frontends)
-FRONT_ENDS = {"xla": "xla", "jax": "torchax", "cpu": "dlpack"}
+FRONT_ENDS = {"xla": "xla", "jax": "torchax", "tpu": "torchtpu", "cpu": "dlpack"}
 
 # The stack this process runs: torch_xla's when it is installed (its wheel also bundles an
-# old torchax, which is not a front end here), else torchax's, else plain CPU tensors.
-if importlib.util.find_spec("torch_xla") is not None:
+# old torchax, which is not a front end here), else torchax's, else TorchTPU's, else plain
+# CPU tensors. (torchax imports on torch <= 2.12 and TorchTPU needs torch >= 2.11: an
+# environment with both runs torchax's.)
+def _installed(package: str) -> bool:
+    """Whether ``package`` is installed: a namespace package of the same name (a folder on the
+    path, such as the test suite's ``tests/torchax``) is not."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
+if _installed("torch_xla"):
     STACK = "xla"
-elif importlib.util.find_spec("torchax") is not None:
+elif _installed("torchax"):
     STACK = "torchax"
+elif _installed("torch_tpu"):
+    STACK = "torchtpu"
 else:
     STACK = "dlpack"
 
@@ -214,7 +227,7 @@ def defer_function_to_mode(func, mode_type) -> None:
 
 def default_front_end() -> FrontEnd:
     """The front end of this process's stack (:data:`STACK`)."""
-    return front_end({"xla": "xla", "torchax": "jax", "dlpack": "cpu"}[STACK])
+    return front_end({"xla": "xla", "torchax": "jax", "torchtpu": "tpu", "dlpack": "cpu"}[STACK])
 
 
 if STACK == "xla":
@@ -244,7 +257,7 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 
 def runs_on(device: torch.device) -> bool:
     """Whether torch_pallas's ops run on tensors of ``device``: an XLA device (torch_xla), a
-    torchax ``jax`` device, or the CPU."""
+    torchax ``jax`` device, TorchTPU's ``tpu`` device, or the CPU."""
     return front_end(device.type) is not None
 
 
@@ -258,7 +271,7 @@ def runs_lazily(tensor: torch.Tensor) -> bool:
 def device_or_default(device=None) -> torch.device:
     """The device to create tensors on: ``device`` if given (checked by :func:`runs_on`),
     else the default device of this process's stack (``torch_xla.device()``; ``jax`` with
-    torchax; the CPU).
+    torchax; ``tpu`` with TorchTPU; the CPU).
 
     Raises:
         ValueError: torch_pallas cannot run on ``device``.
@@ -278,8 +291,9 @@ def device_or_default(device=None) -> torch.device:
 
 
 _DEVICES_HERE = {"xla": "an XLA device (torch_xla.device()) or the CPU",
-                 "torchax": "a torchax device ('jax') or the CPU", "dlpack": "the CPU"}[STACK]
-_MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "dlpack": "'cpu'"}[STACK]
+                 "torchax": "a torchax device ('jax') or the CPU",
+                 "torchtpu": "a TorchTPU device ('tpu') or the CPU", "dlpack": "the CPU"}[STACK]
+_MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "torchtpu": "'tpu'", "dlpack": "'cpu'"}[STACK]
 
 
 def check_device(tensor: torch.Tensor, name: str) -> None:

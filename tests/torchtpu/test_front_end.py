@@ -1,0 +1,68 @@
+"""The TorchTPU front end keeps the contract bridge.FrontEnd states; which generation its kernels
+are lowered for; what a process without the tpu device is told."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_pallas
+from front_end_contract import check_a_broken_front_end_is_refused, check_front_ends_keep_the_contract
+from torch_pallas import bridge
+from torch_pallas.frontends import torchtpu
+
+
+def test_the_torchtpu_and_cpu_front_ends_keep_the_contract():
+    assert bridge.STACK == "torchtpu"
+    check_front_ends_keep_the_contract({"torchtpu": (bridge.FrontEnd,), "dlpack": (bridge.FrontEnd,)})
+
+
+def test_a_front_end_that_breaks_the_contract_is_refused_naming_each_problem():
+    check_a_broken_front_end_is_refused()
+
+
+def test_kernels_are_lowered_for_the_default_generation_or_the_one_the_environment_names(monkeypatch):
+    assert not torchtpu.platform_is_tpu()  # this host: TorchTPU counts no TPU
+    monkeypatch.delenv(torchtpu.GENERATION_VARIABLE, raising=False)
+    torchtpu._generation.cache_clear()
+    assert torchtpu._generation() == torchtpu.DEFAULT_GENERATION == "v6e"
+    monkeypatch.setenv(torchtpu.GENERATION_VARIABLE, "v5e")
+    torchtpu._generation.cache_clear()
+    assert torchtpu._generation() == "v5e"
+    monkeypatch.setenv(torchtpu.GENERATION_VARIABLE, "v9z")
+    torchtpu._generation.cache_clear()
+    with pytest.raises(ValueError, match="generation must be one of .*'tpu7x'.*got 'v9z'"):
+        torchtpu._generation()
+    monkeypatch.undo()
+    torchtpu._generation.cache_clear()
+
+
+def test_jax_is_kept_on_its_cpu_backend():
+    """JAX only traces and exports on this stack; on a TPU VM its TPU backend must not claim
+    the chips TorchTPU's runtime owns."""
+    import jax
+
+    assert {device.platform for device in jax.devices()} == {"cpu"}
+
+
+def test_tpu_tensors_without_seed_draw_their_key_from_the_tpu_generator(fake):
+    from torchtpu_support import DispatchedOps
+
+    x = torch.ones(8, 128, device="tpu")
+    with DispatchedOps() as dispatched:
+        key = torch_pallas.seeds.key_data(device="tpu")
+    assert key.device.type == "tpu" and key.dtype == torch.int32 and key.shape == (2,)
+    assert dispatched.names == ["aten::randint"]
+    assert torch_pallas.seeds.key_data().device.type == "tpu"  # the stack's default device
+    assert x.device.type == "tpu"
+
+
+def test_a_process_where_torchtpu_registered_no_device_is_told_how():
+    """Without a TPU TorchTPU registers no ``tpu`` device: a call needing the stack's default
+    device says so (run apart: this suite's process has registered it)."""
+    script = ("import torch_pallas\n"
+              "try:\n    torch_pallas.seeds.key_data(seed=1)\n"
+              "except RuntimeError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "TorchTPU has not registered its 'tpu' device" in result.stdout, result.stdout + result.stderr[-2000:]
