@@ -16,12 +16,16 @@ class DispatchedOps(TorchDispatchMode):
     """Records the name of every op dispatched beneath it (``torch_pallas::dropout``,
     ``aten::randint``...)."""
 
-    def __init__(self):
+    def __init__(self, record_args: bool = False):
         super().__init__()
         self.names = []
+        self.calls = []  # (name, positional arguments), with record_args
+        self._record_args = record_args
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func._schema.name)
+        if self._record_args:
+            self.calls.append((func._schema.name, args))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,0 +1,77 @@
+"""The kernels as TorchTPU gets them (each op's jax_op export for TPU, lowered for one TPU
+generation) compiled by libtpu for v5e, v6e and TPU7x: what the ops hand the front end is
+recorded on fake tpu tensors, exported as TorchTPU's custom op exports it, and compiled."""
+
+import jax
+import pytest
+import torch
+
+import torch_pallas
+from conftest import NEEDS_LIBTPU
+from torchtpu_support import DispatchedOps
+from torch_pallas import tpu_compile
+from torch_pallas.frontends import torchtpu
+
+pytestmark = [NEEDS_LIBTPU, pytest.mark.tpu_compile]
+
+CALLS = {
+    "dropout float16 (widened to float32 at the kernel)": lambda x, r: torch_pallas.dropout(x.half(), 0.1, seed=1),
+    "dropout bfloat16": lambda x, r: torch_pallas.dropout(x.bfloat16(), 0.1, seed=1),
+    "dropout float32": lambda x, r: torch_pallas.dropout(x, 0.1, seed=1),
+    "dropout_add float32": lambda x, r: torch_pallas.dropout_add(x, r, 0.1, seed=1),
+}
+
+
+def _handed_to_the_front_end(call, monkeypatch):
+    """(jax_function, tensors, static) of each kernel ``call`` hands the front end on fake tpu
+    tensors: torch runs a custom op's fake function under fake mode, so each op dispatched is
+    recorded and its computation (what a real tpu tensor runs) called after."""
+    from torch._subclasses import FakeTensorMode
+    from torch_pallas.ops import dropout as dropout_ops
+
+    computations = {"torch_pallas::dropout": dropout_ops._compute_dropout,
+                    "torch_pallas::dropout_add": dropout_ops._compute_dropout_add}
+    dispatched = DispatchedOps(record_args=True)
+    handed = []
+    monkeypatch.setattr(torchtpu, "call", lambda function, tensors, static: handed.append(
+        (function, tensors, static)) or torch.empty_like(tensors[-1]))
+    with FakeTensorMode():
+        x, residual = torch.randn(256, 1024, device="tpu"), torch.randn(256, 1024, device="tpu")
+        with dispatched:
+            call(x, residual)
+        for name, args in dispatched.calls:
+            if name in computations:
+                computations[name](*args)
+    return handed
+
+
+def _exported(jax_function, tensors, static):
+    """The ``jax.export`` TorchTPU's custom op of the kernel makes (what its fake function and,
+    on a TPU, its call compute), lowered for the front end's generation."""
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode():
+        op = torchtpu._kernel_op(jax_function, tensors, static)
+    kernel = op._init_fn  # TorchTPU's JaxCallable
+    arguments, keywords = kernel._get_jax_placeholders(*kernel._normalize_invocation_args(list(tensors), {}))
+    with torchtpu._lowering_context(), jax._src.config.export_ignore_forward_compatibility(True):
+        return kernel.exported(*arguments, **keywords)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("name", CALLS)
+def test_the_exported_kernel_compiles_for_the_generation_it_was_lowered_for(name, generation, monkeypatch):
+    monkeypatch.setenv(torchtpu.GENERATION_VARIABLE, generation)
+    torchtpu._generation.cache_clear()
+    try:
+        handed = _handed_to_the_front_end(CALLS[name], monkeypatch)
+        assert len(handed) == 1, handed
+        exported = _exported(*handed[0])
+        assert exported.platforms == ("tpu",)
+        assert "tpu_custom_call" in exported.mlir_module()  # Mosaic, not interpret mode
+        arguments = [jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in exported.in_avals]
+        compiled = tpu_compile.compile_for_tpu(exported.call, *arguments, generation=generation)
+        assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernel, compiled by libtpu
+    finally:
+        monkeypatch.undo()
+        torchtpu._generation.cache_clear()
