@@ -1,7 +1,7 @@
 """Suite-wide set-up: the stack (torch_xla's, torchax's or TorchTPU's: whichever this environment
 has), its device (CPU unless PJRT_DEVICE says otherwise) and TPU gating.
 
-``tests/kernels`` (pure JAX) runs on every stack; the other ``tests/test_*.py`` test the
+``tests/kernels`` (pure JAX) runs on the torch_xla and torchax stacks; the other ``tests/test_*.py`` test the
 torch_xla stack, ``tests/torchax`` the torchax stack and ``tests/torchtpu`` the TorchTPU stack;
 each stack's run skips the others'.
 """
@@ -55,6 +55,9 @@ if STACK != "torchax":
     collect_ignore += ["torchax"]
 if STACK != "torchtpu":
     collect_ignore += ["torchtpu"]
+else:
+    # The torchax stack runs the kernel tier with the same jax and libtpu.
+    collect_ignore += ["kernels"]
 
 
 def pytest_collection_modifyitems(config, items):
