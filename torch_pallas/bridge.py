@@ -234,6 +234,11 @@ if STACK == "xla":
     # On TPU, torch_xla's PJRT client must own the chips before JAX initialises: the xla front
     # end is imported before anything imports JAX.
     default_front_end()
+elif STACK == "torchtpu":
+    # Loaded now, not at the first tpu tensor: that may come while dynamo traces, which cannot
+    # trace an import. It keeps JAX off the TPU TorchTPU owns; torch_tpu itself is imported by
+    # torch (a device backend it loads at ``import torch``).
+    default_front_end()
 
 
 @torch.compiler.assume_constant_result  # fixed for a process; dynamo cannot trace into the clients
