@@ -9,7 +9,7 @@ import torch
 import torch_pallas
 from conftest import NEEDS_LIBTPU
 from torchtpu_support import DispatchedOps
-from torch_pallas import tpu_compile
+from torch_pallas import bridge, tpu_compile
 from torch_pallas.frontends import torchtpu
 
 pytestmark = [NEEDS_LIBTPU, pytest.mark.tpu_compile]
@@ -19,7 +19,15 @@ CALLS = {
     "dropout bfloat16": lambda x, r: torch_pallas.dropout(x.bfloat16(), 0.1, seed=1),
     "dropout float32": lambda x, r: torch_pallas.dropout(x, 0.1, seed=1),
     "dropout_add float32": lambda x, r: torch_pallas.dropout_add(x, r, 0.1, seed=1),
+    # The hardware PRNG is accepted where kernels lower for TPU (a TPU; here, asked for).
+    "dropout hardware bfloat16": lambda x, r: _lowering_for_tpu(torch_pallas.dropout, x.bfloat16(), 0.1, seed=1,
+                                                                 impl="hardware"),
 }
+
+
+def _lowering_for_tpu(function, *args, **keywords):
+    with bridge.lowering_for_tpu():
+        return function(*args, **keywords)
 
 
 def _handed_to_the_front_end(call, monkeypatch):
