@@ -41,10 +41,7 @@ if TYPE_CHECKING:
 # torch device type -> the front end's module (in torch_pallas.frontends)
 FRONT_ENDS = {"xla": "xla", "jax": "torchax", "tpu": "torchtpu", "cpu": "dlpack"}
 
-# The stack this process runs: torch_xla's when it is installed (its wheel also bundles an
-# old torchax, which is not a front end here), else torchax's, else TorchTPU's, else plain
-# CPU tensors. (torchax imports on torch <= 2.12 and TorchTPU needs torch >= 2.11: an
-# environment with both runs torchax's.)
+
 def _installed(package: str) -> bool:
     """Whether ``package`` is installed: a namespace package of the same name (a folder on the
     path, such as the test suite's ``tests/torchax``) is not."""
@@ -52,6 +49,10 @@ def _installed(package: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
+# The stack this process runs: torch_xla's when it is installed (its wheel also bundles an
+# old torchax, which is not a front end here), else torchax's, else TorchTPU's, else plain
+# CPU tensors. (torchax imports on torch <= 2.12 and TorchTPU needs torch >= 2.11: an
+# environment with both runs torchax's.)
 if _installed("torch_xla"):
     STACK = "xla"
 elif _installed("torchax"):
