@@ -41,9 +41,59 @@ class _Context:
         pass
 
 
-def run_formula(setup_context, backward, inputs, output, grad_output):
-    """``backward``'s gradients for ``grad_output``, ``ctx`` set up from the forward's
-    ``inputs`` and ``output`` as torch's autograd would."""
+def run_formula(setup_context, backward, inputs, output, *grad_outputs):
+    """``backward``'s gradients for ``grad_outputs`` (one per output), ``ctx`` set up from the
+    forward's ``inputs`` and ``output`` as torch's autograd would."""
     ctx = _Context()
     setup_context(ctx, inputs, output)
-    return backward(ctx, grad_output)
+    return backward(ctx, *grad_outputs)
+
+
+# Ops of torch's own noise or attention that a torch_pallas call must leave none of.
+_TORCH_NOISE = ("aten::dropout", "aten::native_dropout", "aten::feature_dropout", "aten::bernoulli",
+                "aten::scaled_dot_product", "aten::_scaled_dot_product")
+
+
+def torch_noise_ops(names):
+    """Those of the dispatched op ``names`` that are torch's dropout, bernoulli or SDPA."""
+    return [name for name in names if name.startswith(_TORCH_NOISE)]
+
+
+def check_on_tpu(tensor, shape, dtype):
+    """``tensor`` is a fake ``tpu`` tensor of ``shape`` and ``dtype``."""
+    assert (tuple(tensor.shape), tensor.dtype, tensor.device.type) == (tuple(shape), dtype, "tpu"), tensor
+    assert type(tensor).__name__ == "FakeTensor"
+
+
+def check_formula_dispatches(setup_context, backward, inputs, output, grad_outputs, op_name):
+    """Runs the formula (:func:`run_formula`) and checks it dispatched ``op_name`` alone, once;
+    returns (the gradients, the arguments ``op_name`` got)."""
+    with DispatchedOps(record_args=True) as dispatched:
+        grads = run_formula(setup_context, backward, inputs, output, *grad_outputs)
+    assert dispatched.names == [op_name], dispatched.names
+    return grads, dispatched.calls[0][1]
+
+
+def check_dispatches(call, op_name, count=1):
+    """Runs ``call()``, checks it dispatched ``op_name`` ``count`` times and none of torch's
+    noise or attention ops; returns what ``call`` returned."""
+    with DispatchedOps() as dispatched:
+        result = call()
+    assert dispatched.names.count(op_name) == count, dispatched.names
+    assert not torch_noise_ops(dispatched.names), dispatched.names
+    return result
+
+
+def check_kernel_op(compute, args, kernel_name, shapes_and_dtypes):
+    """Runs an op's computation (what a real ``tpu`` tensor runs; under fake mode torch runs the
+    op's fake function instead) and checks it applied one custom op TorchTPU's ``jax_op`` made of
+    ``kernel_name`` and returned a fake ``tpu`` tensor per (shape, dtype)."""
+    with DispatchedOps() as dispatched:
+        outputs = compute(*args)
+    assert len(dispatched.names) == 1 and dispatched.names[0].startswith(f"torch_pallas_tpu::{kernel_name}_"), \
+        dispatched.names
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    assert len(outputs) == len(shapes_and_dtypes)
+    for output, (shape, dtype) in zip(outputs, shapes_and_dtypes):
+        check_on_tpu(output, shape, dtype)
+    return outputs

@@ -300,6 +300,19 @@ _DEVICES_HERE = {"xla": "an XLA device (torch_xla.device()) or the CPU",
                  "torchax": "a torchax device ('jax') or the CPU",
                  "torchtpu": "a TorchTPU device ('tpu') or the CPU", "dlpack": "the CPU"}[STACK]
 _MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "torchtpu": "'tpu'", "dlpack": "'cpu'"}[STACK]
+# The device types a call's ``generator=`` may be on: the CPU, and the stack's device where torch
+# makes generators for it (TorchTPU's; torch_xla 2.9 raises for an XLA device, torchax's ``jax``
+# device has none). With how an error names them and what seeds the device's own RNG.
+GENERATOR_DEVICE_TYPES = ("cpu", "tpu") if STACK == "torchtpu" else ("cpu",)
+_GENERATORS_HERE = "a CPU or TorchTPU ('tpu') torch.Generator" if STACK == "torchtpu" else "a CPU torch.Generator"
+_DEVICE_SEEDING = "torch.manual_seed" if STACK == "torchtpu" else "torch_xla.manual_seed"
+
+
+def check_generator_device(generator: torch.Generator) -> None:
+    """Raises ``ValueError`` unless ``generator`` is on one of :data:`GENERATOR_DEVICE_TYPES`."""
+    if generator.device.type not in GENERATOR_DEVICE_TYPES:
+        raise ValueError(f"generator must be {_GENERATORS_HERE} (got one on {generator.device}); "
+                         f"to follow {_DEVICE_SEEDING} instead, pass neither seed nor generator")
 
 
 def check_device(tensor: torch.Tensor, name: str) -> None:
@@ -326,8 +339,10 @@ def call(jax_function, *tensors: torch.Tensor, **static):
 
 
 def torch_key_words(device=None, generator=None) -> torch.Tensor:
-    """Two int32 words of key data drawn from torch's RNG: ``generator``'s, or ``device``'s
-    (the XLA RNG on an XLA device, the default generator on the CPU)."""
+    """Two int32 words of key data drawn from torch's RNG: ``generator``'s (on its device), or
+    ``device``'s (the XLA RNG on an XLA device, the default generator on the CPU)."""
+    if generator is not None:
+        device = generator.device
     return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
 
 

@@ -30,9 +30,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         training (bool): apply dropout if ``True``; return ``x`` itself if ``False``, for
             any device and dtype (the other arguments are checked either way).
         seed (int, optional): in :math:`[0, 2^{64})`; the same seed gives the same mask.
-        generator (torch.Generator, optional): a CPU generator to draw the key from. With
-            neither, a fresh key per call from the RNG of ``x``'s device
-            (:ref:`where keys come from <key-sources>`).
+        generator (torch.Generator, optional): a CPU generator (with TorchTPU also a
+            ``tpu`` one) to draw the key from. With neither, a fresh key per call from the
+            RNG of ``x``'s device (:ref:`where keys come from <key-sources>`).
         shared_over_first_dim (bool): draw one mask of shape ``x.shape[1:]`` and apply it
             at every index of the first dim (for a recurrent net's time-major sequence:
             the same mask at every time step). Default: ``False``.

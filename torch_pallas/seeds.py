@@ -53,10 +53,7 @@ def key_data_from_seed(seed, device=None) -> torch.Tensor:
 def check_generator(generator) -> torch.Generator:
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if generator.device.type != "cpu":
-        raise ValueError(
-            f"generator must be a CPU torch.Generator (got one on {generator.device}); "
-            "to follow torch_xla.manual_seed instead, pass neither seed nor generator")
+    bridge.check_generator_device(generator)
     return generator
 
 
@@ -116,7 +113,8 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
     op draws its key (:ref:`where keys come from <key-sources>`):
 
     * ``seed``: an int in [0, 2**64); the same seed always gives the same key.
-    * ``generator``: a CPU ``torch.Generator``; two 32-bit words are drawn from it.
+    * ``generator``: a CPU ``torch.Generator`` (with TorchTPU also a ``tpu`` one); two 32-bit
+      words are drawn from it, on its device.
     * neither: inside a :func:`key_scope`, the scope's next derived key (moved to
       ``device``); otherwise two words drawn on ``device`` from its RNG (on an XLA device
       with no host sync and no new graph per call).
@@ -125,7 +123,8 @@ def key_data(*, seed=None, generator=None, device=None) -> torch.Tensor:
 
     Raises:
         ValueError: both ``seed`` and ``generator`` given, a seed out of range, a
-            generator not on the CPU, or a device torch_pallas does not run on.
+            generator on a device other than the CPU (and with TorchTPU ``tpu``), or a device
+            torch_pallas does not run on.
         TypeError: a non-integer seed or a non-Generator ``generator``.
     """
     device = bridge.device_or_default(device)
