@@ -1,6 +1,7 @@
 """The kernels as TorchTPU gets them (each op's jax_op export for TPU, lowered for one TPU
-generation) compiled by libtpu for v5e, v6e and TPU7x: what the ops hand the front end is
-recorded on fake tpu tensors, exported as TorchTPU's custom op exports it, and compiled."""
+generation) compiled by libtpu for v5e, v6e and TPU7x (attention and IndRNN: v6e and TPU7x):
+what the ops hand the front end is recorded on fake tpu tensors, exported as TorchTPU's custom
+op exports it, and compiled."""
 
 import jax
 import pytest
@@ -22,7 +23,13 @@ CALLS = {
     # The hardware PRNG is accepted where kernels lower for TPU (a TPU; here, asked for).
     "dropout hardware bfloat16": lambda x, r: _lowering_for_tpu(torch_pallas.dropout, x.bfloat16(), 0.1, seed=1,
                                                                  impl="hardware"),
+    # Multi-output kernels: (output, log-sum-exp), (output, h_n).
+    "attention forward bfloat16 causal": lambda x, r: torch_pallas.scaled_dot_product_attention(
+        *[x.bfloat16().view(1, 8, 256, 128)] * 3, dropout_p=0.1, is_causal=True, seed=1),
+    "indrnn forward float32": lambda x, r: torch_pallas.indrnn(x.view(16, 16, 1024), r[0]),
 }
+GENERATIONS = {name: ("v6e", "tpu7x") if name.startswith(("attention", "indrnn")) else ("v5e", "v6e", "tpu7x")
+               for name in CALLS}
 
 
 def _lowering_for_tpu(function, *args, **keywords):
@@ -35,14 +42,17 @@ def _handed_to_the_front_end(call, monkeypatch):
     tensors: torch runs a custom op's fake function under fake mode, so each op dispatched is
     recorded and its computation (what a real tpu tensor runs) called after."""
     from torch._subclasses import FakeTensorMode
-    from torch_pallas.ops import dropout as dropout_ops
+    from torch_pallas.ops import attention as attention_ops, dropout as dropout_ops, indrnn as indrnn_ops
 
     computations = {"torch_pallas::dropout": dropout_ops._compute_dropout,
-                    "torch_pallas::dropout_add": dropout_ops._compute_dropout_add}
+                    "torch_pallas::dropout_add": dropout_ops._compute_dropout_add,
+                    "torch_pallas::attention": attention_ops._compute_attention,
+                    "torch_pallas::indrnn": indrnn_ops._compute_indrnn}
     dispatched = DispatchedOps(record_args=True)
     handed = []
+    front_end_call = torchtpu.call
     monkeypatch.setattr(torchtpu, "call", lambda function, tensors, static: handed.append(
-        (function, tensors, static)) or torch.empty_like(tensors[-1]))
+        (function, tensors, static)) or front_end_call(function, tensors, static))
     with FakeTensorMode():
         x, residual = torch.randn(256, 1024, device="tpu"), torch.randn(256, 1024, device="tpu")
         with dispatched:
@@ -66,8 +76,7 @@ def _exported(jax_function, tensors, static):
         return kernel.exported(*arguments, **keywords)
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("name", CALLS)
+@pytest.mark.parametrize("name, generation", [(name, generation) for name in CALLS for generation in GENERATIONS[name]])
 def test_the_exported_kernel_compiles_for_the_generation_it_was_lowered_for(name, generation, monkeypatch):
     monkeypatch.setenv(torchtpu.GENERATION_VARIABLE, generation)
     torchtpu._generation.cache_clear()
