@@ -46,7 +46,7 @@ class route_dropout(TorchFunctionMode):
     SELU network's mean and variance, which ordinary dropout would not. Keys come from the RNG of the
     input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
     :func:`torch_pallas.checkpoint`).
-    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA or torchax tensors of a
+    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA, torchax or TorchTPU tensors of a
     dtype it takes runs as :func:`torch_pallas.scaled_dot_product_attention` (flash kernels,
     the mask from a key; transformers models' default ``sdpa`` attention); other calls with
     ``dropout_p > 0`` stay torch's and warn once per call site. On torchax, whose own
@@ -154,7 +154,7 @@ def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type == "cpu" or not bridge.runs_on(
             query.device):
-        return "its tensors are not on an accelerator device (XLA, torchax)"
+        return "its tensors are not on an accelerator device (XLA, torchax, TorchTPU)"
     if query.dtype not in _checks.FLOAT_DTYPES:
         return f"torch_pallas's attention takes float32, bfloat16 and float16, not {query.dtype}"
     if any(t.dtype != query.dtype or t.device != query.device for t in tensors[1:]):
