@@ -473,8 +473,8 @@ def executed_schedule(dump: str, generation: str, name: str = "the dump") -> dic
     """
     delay_slots = _hardware(generation).branch_delay_slots
     if generation == "tpu7x":
-        raise NotImplementedError("tpu7x: its dumps name a branch's target region without its bundle number, which "
-                                  "executed_schedule does not read (v4 to v6e only)")
+        raise NotImplementedError("tpu7x: executed_schedule reads v4 to v6e only (TPU7x's clock is not published, "
+                                  "and how its dumps' control flow runs has not been checked against one)")
     decoded = _decode(dump)
     unit = _ScalarUnit(name)
     difference = [0] * (len(decoded.texts) + 1)  # counts, as differences: a run adds 1 from its first bundle on
