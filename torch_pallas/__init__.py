@@ -1,5 +1,5 @@
 """torch_pallas: JAX Pallas kernels as differentiable PyTorch ops, on torch_xla's XLA tensors,
-torchax's tensors and plain CPU tensors.
+torchax's tensors, TorchTPU's ``tpu`` tensors and plain CPU tensors.
 
 Import order matters on TPU: :mod:`torch_pallas.bridge` (which on the torch_xla stack starts
 torch_xla's PJRT client) is imported before anything that imports JAX.
@@ -40,7 +40,7 @@ else:
         if name in __all__:
             raise ImportError(
                 f"torch_pallas.{name} needs torch, which this process cannot import ({_torch_missing}): pip install "
-                "'torch-pallas[xla]' or 'torch-pallas[torchax]'. Without torch, torch_pallas.kernels (the Pallas "
+                "'torch-pallas[xla]', 'torch-pallas[torchax]' or 'torch-pallas[torchtpu]'. Without torch, torch_pallas.kernels (the Pallas "
                 "kernels, called from JAX), torch_pallas.tpu_compile and torch_pallas.tpu_schedule work",
                 name=f"torch_pallas.{name}") from _torch_missing
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
