@@ -67,6 +67,16 @@ class FrontEnd(Protocol):
     """What every front end provides: the members of its module (``def name(...)`` without
     ``self``; a module is the implementation). :func:`check_front_end` holds a module to it."""
 
+    # How error messages name the device and what ``.to(...)`` takes to move a tensor there.
+    DEVICE_DESCRIPTION: str
+    MOVE_HINT: str
+    # The device types a call's ``generator=`` may be on (the CPU, and the stack's device where
+    # torch makes generators for it), how error messages name them, and what seeds the device's
+    # own RNG (a call without seed or generator).
+    GENERATOR_DEVICE_TYPES: tuple
+    GENERATORS: str
+    SEEDED_BY: str
+
     def platform_is_tpu(self) -> bool:
         """Whether this process's accelerator is a TPU (read once: :func:`on_tpu`)."""
 
@@ -228,7 +238,10 @@ def defer_function_to_mode(func, mode_type) -> None:
 
 def default_front_end() -> FrontEnd:
     """The front end of this process's stack (:data:`STACK`)."""
-    return front_end({"xla": "xla", "torchax": "jax", "torchtpu": "tpu", "dlpack": "cpu"}[STACK])
+    return front_end(_STACK_DEVICE_TYPE)
+
+
+_STACK_DEVICE_TYPE = next(device_type for device_type, name in FRONT_ENDS.items() if name == STACK)
 
 
 if STACK == "xla":
@@ -291,28 +304,24 @@ def device_or_default(device=None) -> torch.device:
         device = torch.device(device)
         front = front_end(device.type)
         if front is None:
-            raise ValueError(f"device must be {_DEVICES_HERE}, got {device}")
+            raise ValueError(f"device must be {_devices_here()}, got {device}")
     front.check_device_usable(device)
     return device
 
 
-_DEVICES_HERE = {"xla": "an XLA device (torch_xla.device()) or the CPU",
-                 "torchax": "a torchax device ('jax') or the CPU",
-                 "torchtpu": "a TorchTPU device ('tpu') or the CPU", "dlpack": "the CPU"}[STACK]
-_MOVE_HINT = {"xla": "torch_xla.device()", "torchax": "'jax'", "torchtpu": "'tpu'", "dlpack": "'cpu'"}[STACK]
-# The device types a call's ``generator=`` may be on: the CPU, and the stack's device where torch
-# makes generators for it (TorchTPU's; torch_xla 2.9 raises for an XLA device, torchax's ``jax``
-# device has none). With how an error names them and what seeds the device's own RNG.
-GENERATOR_DEVICE_TYPES = ("cpu", "tpu") if STACK == "torchtpu" else ("cpu",)
-_GENERATORS_HERE = "a CPU or TorchTPU ('tpu') torch.Generator" if STACK == "torchtpu" else "a CPU torch.Generator"
-_DEVICE_SEEDING = "torch.manual_seed" if STACK == "torchtpu" else "torch_xla.manual_seed"
+def _devices_here() -> str:
+    """The devices torch_pallas runs on in this process, as error messages name them."""
+    front = default_front_end()
+    return front.DEVICE_DESCRIPTION if front is front_end("cpu") else f"{front.DEVICE_DESCRIPTION} or the CPU"
 
 
 def check_generator_device(generator: torch.Generator) -> None:
-    """Raises ``ValueError`` unless ``generator`` is on one of :data:`GENERATOR_DEVICE_TYPES`."""
-    if generator.device.type not in GENERATOR_DEVICE_TYPES:
-        raise ValueError(f"generator must be {_GENERATORS_HERE} (got one on {generator.device}); "
-                         f"to follow {_DEVICE_SEEDING} instead, pass neither seed nor generator")
+    """Raises ``ValueError`` unless ``generator`` is on one of the stack's
+    :attr:`FrontEnd.GENERATOR_DEVICE_TYPES`."""
+    front = default_front_end()
+    if generator.device.type not in front.GENERATOR_DEVICE_TYPES:
+        raise ValueError(f"generator must be {front.GENERATORS} (got one on {generator.device}); "
+                         f"to follow {front.SEEDED_BY} instead, pass neither seed nor generator")
 
 
 def check_device(tensor: torch.Tensor, name: str) -> None:
@@ -322,8 +331,8 @@ def check_device(tensor: torch.Tensor, name: str) -> None:
     device = device_of(tensor)
     front = front_end(device.type)
     if front is None:
-        raise ValueError(f"{name} is on {device}, but torch_pallas ops run on {_DEVICES_HERE}: "
-                         f"move it with {name}.to({_MOVE_HINT})")
+        raise ValueError(f"{name} is on {device}, but torch_pallas ops run on {_devices_here()}: "
+                         f"move it with {name}.to({default_front_end().MOVE_HINT})")
     front.check_device_usable(device)
 
 

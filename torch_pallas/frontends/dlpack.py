@@ -15,6 +15,11 @@ _DLPACK_ALIGNMENT = 64
 
 
 IMPLEMENTS = (bridge.FrontEnd,)
+DEVICE_DESCRIPTION = "the CPU"
+MOVE_HINT = "'cpu'"
+GENERATOR_DEVICE_TYPES = ("cpu",)
+GENERATORS = "a CPU torch.Generator"
+SEEDED_BY = "torch.manual_seed"
 
 
 def platform_is_tpu() -> bool:

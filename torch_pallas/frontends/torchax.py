@@ -31,6 +31,12 @@ from torch_pallas.frontends.dlpack import check_use_reentrant, checkpoint  # noq
 from torch_pallas.sharding import Sharding, with_shard_offset
 
 IMPLEMENTS = (bridge.FrontEnd, bridge.ShardingFrontEnd)
+DEVICE_DESCRIPTION = "a torchax device ('jax')"
+MOVE_HINT = "'jax'"
+# torchax's jax device has no torch.Generator; its RNG is torchax's own.
+GENERATOR_DEVICE_TYPES = ("cpu",)
+GENERATORS = "a CPU torch.Generator"
+SEEDED_BY = "torchax.default_env().manual_seed"
 MESH_TYPE_NAME = "jax.sharding.Mesh"
 
 

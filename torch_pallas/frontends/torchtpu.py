@@ -31,6 +31,11 @@ from torch_pallas.frontends.dlpack import check_use_reentrant, checkpoint  # noq
 from torch_pallas.kernels import compat
 
 IMPLEMENTS = (bridge.FrontEnd,)
+DEVICE_DESCRIPTION = "a TorchTPU device ('tpu')"
+MOVE_HINT = "'tpu'"
+GENERATOR_DEVICE_TYPES = ("cpu", "tpu")
+GENERATORS = "a CPU or TorchTPU ('tpu') torch.Generator"
+SEEDED_BY = "torch.manual_seed"
 
 DEVICE_TYPE = "tpu"
 # The TPU generation kernels are lowered for where no TPU says (a key of

@@ -36,6 +36,12 @@ from torch_pallas.sharding import Sharding, with_shard_offset  # noqa: E402
 
 
 IMPLEMENTS = (bridge.FrontEnd, bridge.ShardingFrontEnd, bridge.GraphCompilingFrontEnd)
+DEVICE_DESCRIPTION = "an XLA device (torch_xla.device())"
+MOVE_HINT = "torch_xla.device()"
+# torch_xla 2.9 raises for a torch.Generator on an XLA device.
+GENERATOR_DEVICE_TYPES = ("cpu",)
+GENERATORS = "a CPU torch.Generator"
+SEEDED_BY = "torch_xla.manual_seed"
 
 
 def _keep_jax_on_cpu_with_the_cpu_client() -> None:
