@@ -29,6 +29,52 @@ class DispatchedOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CompiledBackward:
+    """Runs torch's autograd over ``tpu`` tensors (``loss.backward()``, ``torch.autograd.grad``)
+    through compiled autograd inside it: each backward pass is traced into an FX graph, which
+    then runs. The engine's own execution crashes on ``tpu`` tensors without a TPU (SIGSEGV in
+    ``GraphTask::exec_post_processing``: it indexes the per-device streams it stashed for
+    TorchTPU's device count, which is 0 without one); compiled autograd returns before that.
+    ``graphs`` holds the graphs traced (compiled autograd reuses a graph for the same autograd
+    graph: those of earlier contexts too), ``names``/``args_of`` what ran (a dispatch mode only
+    while a graph runs: dynamo compiles nothing under one)."""
+
+    _active = None  # the context graphs report to, wherever they were compiled
+
+    def __init__(self):
+        self.graphs = []
+        self._dispatched = DispatchedOps(record_args=True)
+
+    def _compiler(self, graph_module):
+        self.graphs.append(graph_module)
+
+        def run(*args, **kwargs):
+            with CompiledBackward._active._dispatched:
+                return graph_module(*args, **kwargs)
+
+        return run
+
+    def __enter__(self):
+        from torch._dynamo import compiled_autograd
+
+        self._enabled = compiled_autograd._enable(self._compiler)
+        self._enabled.__enter__()
+        CompiledBackward._active = self
+        return self
+
+    def __exit__(self, *exc):
+        CompiledBackward._active = None
+        self._enabled.__exit__(*exc)
+
+    @property
+    def names(self):
+        return self._dispatched.names
+
+    def args_of(self, op_name):
+        """The positional arguments of each call of ``op_name`` that ran."""
+        return [args for name, args in self._dispatched.calls if name == op_name]
+
+
 class _Context:
     """What an autograd formula's ``setup_context`` and ``backward`` use of ``ctx``, without
     the autograd engine (which crashes on ``tpu`` tensors without a TPU:
