@@ -63,9 +63,10 @@ else:
 def pytest_collection_modifyitems(config, items):
     if ON_TPU:
         return
+    where = ("a TPU VM (TorchTPU finds no TPU here)" if STACK == "torchtpu"
+             else f"PJRT_DEVICE=TPU (this run: PJRT_DEVICE={os.environ['PJRT_DEVICE']})")
     skip = pytest.mark.skip(
-        reason="needs a TPU (PJRT_DEVICE=TPU): compiled Mosaic kernels and the hardware PRNG "
-               f"cannot run on PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+        reason=f"needs a TPU: compiled Mosaic kernels and the hardware PRNG run only there; needs {where}")
     for item in items:
         if "tpu" in item.keywords:
             item.add_marker(skip)
