@@ -114,7 +114,7 @@ class route_dropout(TorchFunctionMode):
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()
             input, p, training = call.args[:3]
-            if input.is_floating_point() and bridge.runs_on(input.device):
+            if input.is_floating_point() and bridge.runs_on(input.device) and not bridge.is_dtensor(input):
                 inplace = call.arguments.get("inplace", False)
                 if (self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace:
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
@@ -155,6 +155,8 @@ def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale
     if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type == "cpu" or not bridge.runs_on(
             query.device):
         return "its tensors are not on an accelerator device (XLA, torchax, TorchTPU)"
+    if any(bridge.is_dtensor(t) for t in tensors):
+        return "torch_pallas ops do not take DTensors"
     if query.dtype not in _checks.FLOAT_DTYPES:
         return f"torch_pallas's attention takes float32, bfloat16 and float16, not {query.dtype}"
     if any(t.dtype != query.dtype or t.device != query.device for t in tensors[1:]):

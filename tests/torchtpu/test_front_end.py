@@ -6,11 +6,13 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses import FakeTensorMode
 
 import torch_pallas
 from front_end_contract import check_a_broken_front_end_is_refused, check_front_ends_keep_the_contract
 from torch_pallas import bridge
 from torch_pallas.frontends import torchtpu
+from torchtpu_support import DispatchedOps
 
 
 def test_the_torchtpu_and_cpu_front_ends_keep_the_contract():
@@ -66,3 +68,35 @@ def test_a_process_where_torchtpu_registered_no_device_is_told_how():
               "except RuntimeError as error:\n    print(error)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "TorchTPU has not registered its 'tpu' device" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+@pytest.fixture
+def two_rank_mesh():
+    """A one-process fake two-rank group (torch's test backend), for DTensors without a TPU."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield lambda device: torch.distributed.tensor.DeviceMesh(device, [0, 1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_refused_with_the_fix_and_left_to_torch_by_routing(two_rank_mesh):
+    """docs/sharding.md, DTensors: torch_pallas takes none; route_dropout leaves them to torch."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    on_cpu = distribute_tensor(torch.randn(8, 128), two_rank_mesh("cpu"), [Shard(0)])
+    tpu_mesh = two_rank_mesh("tpu")  # outside fake mode: the mesh reads its own ranks
+    with FakeTensorMode():
+        x = distribute_tensor(torch.randn(8, 128, device="tpu"), tpu_mesh, [Shard(0)])
+        with pytest.raises(TypeError, match=r"x is a DTensor.*x\.full_tensor\(\).*x\.to_local\(\)"):
+            torch_pallas.dropout(x, 0.5, seed=1)
+    with DispatchedOps() as dispatched, torch_pallas.route_dropout():
+        dropped = torch.nn.functional.dropout(on_cpu, 0.5)
+        with pytest.warns(UserWarning, match="dropout_p is applied by torch"):
+            attended = torch.nn.functional.scaled_dot_product_attention(on_cpu[None], on_cpu[None], on_cpu[None],
+                                                                          dropout_p=0.5)
+    assert type(dropped).__name__ == type(attended).__name__ == "DTensor"
+    assert not [name for name in dispatched.names if name.startswith("torch_pallas")], dispatched.names
