@@ -1,6 +1,7 @@
 """The python blocks of the README and of the docs pages are code a new user pastes: they must
 run as written. A document's blocks run in order in one namespace, on the stack it is written
 for: a document that imports torchax (the torchax tour) in tests/torchax/test_readme.py, a block
+on TorchTPU's ``tpu`` device in tests/torchtpu/test_readme.py, a block
 that enters SPMD mode (``use_spmd()``, process-wide) in tests/spmd/, the rest here."""
 
 import re
@@ -20,11 +21,18 @@ def python_blocks(documents=DOCUMENTS) -> list[str]:
 
 
 def blocks_on(document: Path, stack: str) -> list[str]:
-    """``document``'s blocks that run on ``stack``: "xla", "torchax" or "spmd"."""
+    """``document``'s blocks that run on ``stack``: "xla", "torchax", "torchtpu" (a block that
+    puts tensors on the ``tpu`` device) or "spmd"."""
     blocks = python_blocks([document])
     imports_torchax = any(re.search(r"^(import .*\btorchax\b|from torchax)", block, re.M) for block in blocks)
     own = "torchax" if imports_torchax else "xla"
-    return [block for block in blocks if ("spmd" if "use_spmd()" in block else own) == stack]
+
+    def stack_of(block):
+        if "use_spmd()" in block:
+            return "spmd"
+        return "torchtpu" if re.search(r"""device\(?=?["']tpu["']""", block) else own
+
+    return [block for block in blocks if stack_of(block) == stack]
 
 
 def documents_with_blocks(stack: str) -> list[Path]:

@@ -82,3 +82,15 @@ def test_a_gpt2_built_on_the_tpu_device_runs_its_forward_in_torch_pallas_ops(fak
     assert not torch_noise_ops(dispatched.names), dispatched.names
     check_on_tpu(output.logits, (2, 16, 128), torch.float32)
     check_on_tpu(output.loss, (), torch.float32)
+
+
+def test_the_fusing_options_route_without_fusing(fake):
+    """docs/tour-torchtpu.md, What differs: the fusions take lazily run tensors only."""
+    x, residual = torch.randn(SHAPE, device="tpu"), torch.randn(SHAPE, device="tpu")
+    weights, value = torch.randn(2, 64, 64, device="tpu"), torch.randn(2, 64, 32, device="tpu")
+    with DispatchedOps() as dispatched, torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
+        summed = residual + F.dropout(x, 0.1)
+        multiplied = F.dropout(weights, 0.1) @ value
+    assert [name for name in dispatched.names if name.startswith("torch_pallas")] == ["torch_pallas::dropout"] * 2
+    check_on_tpu(summed, SHAPE, torch.float32)
+    check_on_tpu(multiplied, (2, 64, 32), torch.float32)
