@@ -278,7 +278,7 @@ def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hard
 
 
 def test_hardware_noise_of_a_cut_last_tile_row_is_its_tiles_drawn_whole(emulated_hardware_prng):
-    """docs/noise.md, The two generators: a (6000, 128) view's (512, 128) tiles numbered row-major, the
+    """docs/noise.md, The generators: a (6000, 128) view's (512, 128) tiles numbered row-major, the
     last tile row's 368 rows those of its tile drawn whole; no block is padded in HBM."""
     shape = (6, 1000, 128)
     got = np.asarray(elementwise.noise_map(jnp.asarray(key_data(7)), shape, as_int32, jnp.int32, impl="hardware",

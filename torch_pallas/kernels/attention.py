@@ -782,7 +782,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         bias: optional additive float mask, or a boolean mask (True takes part), broadcastable
             to ``(*batch, L, S)``.
         dropout_p: probability of dropping an attention weight, in [0, 1).
-        impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
+        impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         causal: keep only ``s <= l``; no ``bias`` with it.
         scale: the scores' factor; default ``1 / sqrt(E)``.
         gqa: repeat the key's and value's heads (dim -3) to the query's.

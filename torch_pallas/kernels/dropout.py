@@ -3,6 +3,8 @@
 ``keep = bernoulli(key, 1 - p, x.shape)`` and ``y = where(keep, x / (1 - p), x * 0)``. The
 backward pass is the same map applied to the incoming gradient with the same key, so one
 kernel serves both; each call picks its own blocks, and the mask does not depend on them.
+With ``impl="tiled"`` the keep test reads 16-bit uniforms and ``1 - p`` is the keep
+probability its threshold gives (:func:`prng.keep_probability`).
 """
 
 from __future__ import annotations
