@@ -67,19 +67,20 @@ def test_layout_is_whole_vreg_slabs_of_the_tile(tile, uniform_bits, layout):
     assert prng.tiled_layout(tile, uniform_bits) == layout
 
 
-# (shape, tile (documented by the assertion), blocks to try; None is the default).
+# (shape, uniform bits, blocks to try: None is the default), the layout of the view's tile in the comment.
 SHAPES = [
-    ((256, 1024), (64, 1024), [None, Blocks(64, 1024), Blocks(128, 1024, True)]),  # four row slabs per hash
-    ((20, 300), (24, 128), [None, Blocks(24, 128, True)]),                     # ragged; one element per hash
-    ((13, 300), (16, 128), [None, Blocks(16, 256)]),                           # two row slabs
-    ((1000,), (8, 1024), [None]),                                              # 1-D: four lane slabs
-    ((6, 1000, 128), (512, 128), [Blocks(512, 128), Blocks(1024, 128, True)]),  # the last tile row cut
+    ((256, 1024), 16, [None, Blocks(64, 1024), Blocks(128, 1024, True)]),  # (64, 1024): four row slabs per hash
+    ((256, 1024), 32, [None, Blocks(128, 1024, True)]),                    # two row slabs
+    ((20, 300), 32, [None, Blocks(24, 128, True)]),                        # ragged, (24, 128): one element per hash
+    ((13, 300), 16, [None, Blocks(16, 256)]),                              # (16, 128): two row slabs
+    ((1000,), 16, [None]),                                                 # 1-D, (8, 1024): four lane slabs
+    ((1000,), 32, [None]),                                                 # two lane slabs
+    ((6, 1000, 128), 16, [Blocks(512, 128), Blocks(1024, 128, True)]),     # (512, 128), the last tile row cut
 ]
 
 
-@pytest.mark.parametrize("uniform_bits", [32, 16])
-@pytest.mark.parametrize("shape,tile,blocks", SHAPES, ids=[str(case[0]) for case in SHAPES])
-def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, tile, blocks, uniform_bits):
+@pytest.mark.parametrize("shape,uniform_bits,blocks", SHAPES, ids=[f"{case[0]}-{case[1]}" for case in SHAPES])
+def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, uniform_bits, blocks):
     expected = tiled_bits(1234, shape, uniform_bits)
     mask = np.uint32(0xFFFFFFFF) if uniform_bits == 32 else TOP_HALF
     assert len(np.unique(expected)) > min(expected.size, 2**uniform_bits) // 2
@@ -88,9 +89,10 @@ def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, tile, blo
         np.testing.assert_array_equal(got & mask, expected, err_msg=str(block))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape,p,blocks", [((256, 1024), 0.1, Blocks(128, 1024, True)), ((20, 300), 0.5, None),
-                                            ((1000,), 0.3, None)])
+@pytest.mark.parametrize("shape,p,blocks,dtype", [((256, 1024), 0.1, Blocks(128, 1024, True), jnp.float32),
+                                                  ((256, 1024), 0.1, None, jnp.bfloat16),
+                                                  ((20, 300), 0.5, None, jnp.float32),
+                                                  ((1000,), 0.3, None, jnp.bfloat16)])
 def test_dropout_is_the_references(shape, p, blocks, dtype):
     """Kept where the 16-bit uniform is at least round(p * 65536); kept values divided by the
     keep probability that threshold gives (to 1 ulp in float32: XLA's CPU compiler may multiply by
@@ -137,9 +139,10 @@ def test_sampling_converts_32_bit_words_as_threefrys():
 
 
 def attention_mask(shape, dropout_p, **options):
-    """The forward kernel's mask of ``(*batch, L, S)`` weights (zero scores: every weight 1 / S,
-    the value the identity, so the output is the kept weights), and the backward kernels' (the
-    value's gradient against an identity output gradient is the kept weights transposed)."""
+    """The forward kernel's output and mask of ``(*batch, L, S)`` weights (zero scores: every
+    weight 1 / S, the value the identity, so the output is the kept weights), and the backward
+    kernels' mask (the value's gradient against an identity output gradient is the kept weights
+    transposed)."""
     *batch, L, S = shape
     zeros = jnp.zeros((*batch, L, 8)), jnp.zeros((*batch, S, 8))
     value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*batch, S, S))
@@ -147,29 +150,23 @@ def attention_mask(shape, dropout_p, **options):
                                  interpret=True, **options)
     out, pullback = jax.vjp(lambda v: function(zeros[0], zeros[1], v), value)
     (grad_value,) = pullback(jnp.broadcast_to(jnp.eye(L, S, dtype=jnp.float32), out.shape))
-    return np.asarray(out) > 0, np.swapaxes(np.asarray(grad_value), -1, -2)[..., :L, :] > 0
+    return np.asarray(out), np.swapaxes(np.asarray(grad_value), -1, -2)[..., :L, :] > 0
 
 
 @pytest.mark.parametrize("shape,blocks", [
-    ((2, 3, 197, 197), [dict(), dict(blocks=AttnBlocks(197, 197, 1), backward_blocks=AttnBlocks(197, 197, 3))]),
-    ((1, 2, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384)),
-                        dict(blocks=AttnBlocks(8, 384), backward_blocks=AttnBlocks(24, 128))]),
+    ((2, 2, 197, 197), [dict(), dict(blocks=AttnBlocks(197, 197, 1), backward_blocks=AttnBlocks(197, 197, 2))]),
+    ((1, 2, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
 ], ids=["ViT planes", "several tiles"])
 def test_attention_mask_is_the_references_forward_and_backward(shape, blocks):
     """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut; (8, 128) for 264 x 300),
-    numbered on through the planes, whatever the blocks and planes per step."""
+    numbered on through the planes, whatever the blocks and planes per step; a kept weight is
+    scaled by the keep probability the threshold gives."""
     expected = attention_tiled_keep(shape, 0.2)
     for options in blocks:
-        forward, backward = attention_mask(shape, 0.2, **options)
-        np.testing.assert_array_equal(forward, expected, err_msg=str(options))
+        out, backward = attention_mask(shape, 0.2, **options)
+        np.testing.assert_array_equal(out > 0, expected, err_msg=str(options))
         np.testing.assert_array_equal(backward, expected, err_msg=str(options))
-
-
-def test_attention_scales_kept_weights_by_the_thresholds_keep_probability():
-    out, _ = attention_mask((1, 8, 128), 0.1)
-    weights = np.asarray(attention.attention(jnp.asarray(KEY), jnp.zeros((1, 8, 8)), jnp.zeros((1, 128, 8)),
-                                             jnp.eye(128)[None], None, 0.1, "tiled", interpret=True))
-    np.testing.assert_allclose(weights[out], 1 / 128 / prng.keep_probability("tiled", 0.1), rtol=1e-6)
+        np.testing.assert_allclose(out[expected], 1 / shape[-1] / prng.keep_probability("tiled", 0.2), rtol=1e-6)
 
 
 def test_dropout_matmul_draws_the_attention_mask_forward_and_backward():
