@@ -272,13 +272,6 @@ def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, in
     return 1, 0
 
 
-def _as_uint32(value) -> jax.Array:
-    """An int32 or uint32 scalar (a tile index, wrapping modulo 2**32 as int32 arithmetic does)
-    as uint32, bits unchanged."""
-    value = jnp.asarray(value)
-    return lax.bitcast_convert_type(value, jnp.uint32) if value.dtype == jnp.int32 else value.astype(jnp.uint32)
-
-
 def _position_counter(grid: tuple[int, int]) -> jax.Array:
     """uint32 row-major positions of a ``grid`` of hashes (a power-of-two width: a shift, as
     multiplies are emulated on v4)."""
@@ -301,7 +294,10 @@ def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bit
     parts, axis = tiled_layout(tile, uniform_bits)
     grid = list(tile)
     grid[axis] //= parts
-    y0, y1 = threefry2x32(k0, k1, _as_uint32(tile_index), _position_counter(tuple(grid)), rounds=TILED_ROUNDS)
+    # A tile index wraps modulo 2**32 as int32 arithmetic does; the conversion keeps its bits (as
+    # read_key's does: Mosaic bitcasts vectors only).
+    counter0 = lax.convert_element_type(tile_index, jnp.uint32)
+    y0, y1 = threefry2x32(k0, k1, counter0, _position_counter(tuple(grid)), rounds=TILED_ROUNDS)
     # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
     # is there already.
     sixteen = np.uint32(16)
