@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import calls, prng, tiling
+from torch_pallas.kernels import calls, compat, prng, tiling
 
 
 def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
@@ -60,6 +60,14 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
             bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
                                    view_cols, base, wide, uniform_bits)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
+        elif impl == prng.TILED and compat.TILED_HASH_IN_PIECES:
+            def write(piece_rows, piece_cols, bits):
+                out_ref[piece_rows, piece_cols] = transform(
+                    bits, *(operand_ref[piece_rows, piece_cols] for operand_ref in operand_refs))
+            index = prng.tile_index(row0 + row_offset, col0 + col_offset, row_stride, chunk_shape)
+            _walk_tiled_tile(key_data_ref, index if base is None else index + base, chunk_shape, uniform_bits,
+                             row_offset, col_offset, write)
+            return
         else:
             bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset,
                                    row_stride, base, wide, uniform_bits)
@@ -81,6 +89,31 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
         chunk(row_offset, col_offset)
         return carry
     jax.lax.fori_loop(0, num_chunks, step, 0)
+
+
+def _aligned(offset, multiple: int):
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _walk_tiled_tile(key_data_ref, tile_index, tile, uniform_bits, row_offset, col_offset, write):
+    """Draws one tile of the tiled impl (:func:`prng.tiled_tile_bits`) 8 rows of its hash grid at
+    a time, and calls ``write(rows, cols, bits)`` for the piece of each of its slabs they fill. The
+    hash's live values stay within a few vregs, which the older TPU compiler schedules better
+    (:data:`compat.TILED_HASH_IN_PIECES`)."""
+    parts, axis = prng.tiled_layout(tile, uniform_bits)
+    slab_rows, slab_cols = (tile[0] // parts, tile[1]) if axis == 0 else (tile[0], tile[1] // parts)
+
+    def piece(first):
+        slabs = prng.tiled_slabs(key_data_ref, tile_index, tile, uniform_bits, first, tiling.SUBLANES)
+        for part, bits in enumerate(slabs):
+            rows = row_offset + first + (part * slab_rows if axis == 0 else 0)
+            cols = col_offset + (part * slab_cols if axis == 1 else 0)
+            write(pl.ds(_aligned(rows, tiling.SUBLANES), tiling.SUBLANES), pl.ds(_aligned(cols, tiling.LANES), slab_cols),
+                  bits)
+
+    # Unrolled: as much code as hashing the whole tile at once, bounded by the tile's size.
+    for first in range(0, slab_rows, tiling.SUBLANES):
+        piece(first)
 
 
 def index_dims(shape, global_shape, shared_over_first_dim: bool = False) -> list[tuple[int, int]]:

@@ -272,10 +272,12 @@ def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, in
     return 1, 0
 
 
-def _position_counter(grid: tuple[int, int]) -> jax.Array:
-    """uint32 row-major positions of a ``grid`` of hashes (a power-of-two width: a shift, as
-    multiplies are emulated on v4)."""
+def _position_counter(grid: tuple[int, int], first_row: int = 0) -> jax.Array:
+    """uint32 row-major positions of the rows of a ``grid`` of hashes from ``first_row`` on (a
+    power-of-two width: a shift, as multiplies are emulated on v4)."""
     rows, cols = (lax.broadcasted_iota(jnp.uint32, grid, d) for d in (0, 1))
+    if not isinstance(first_row, int) or first_row:
+        rows = rows + lax.convert_element_type(first_row, jnp.uint32)
     width = grid[1]
     if width & (width - 1) == 0:
         return lax.shift_left(rows, np.uint32(width.bit_length() - 1)) | cols
@@ -290,19 +292,29 @@ def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bit
     parts word 0's low half, its high half, word 1's low half, its high half. An element's
     uniform is the top ``uniform_bits`` of its bits (the low 16 of a 16-bit element's are not
     random: ``bits >> 16`` is its uniform)."""
+    slabs = tiled_slabs(key_data_ref, tile_index, tile, uniform_bits)
+    return slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=tiled_layout(tile, uniform_bits)[1])
+
+
+def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32, first_row=0,
+                rows: int | None = None) -> tuple[jax.Array, ...]:
+    """The slabs :func:`tiled_tile_bits` concatenates, each cut to the hash grid's ``rows`` rows
+    from ``first_row`` (an int or a traced scalar; all of them by default): a kernel can walk a
+    tile a few rows of its grid at a time, each then giving a piece of each slab."""
     k0, k1 = read_key(key_data_ref)
     parts, axis = tiled_layout(tile, uniform_bits)
     grid = list(tile)
     grid[axis] //= parts
+    if rows is not None:
+        grid[0] = rows
     # A tile index wraps modulo 2**32 as int32 arithmetic does; the conversion keeps its bits (as
     # read_key's does: Mosaic bitcasts vectors only).
     counter0 = lax.convert_element_type(tile_index, jnp.uint32)
-    y0, y1 = threefry2x32(k0, k1, counter0, _position_counter(tuple(grid)), rounds=TILED_ROUNDS)
+    y0, y1 = threefry2x32(k0, k1, counter0, _position_counter(tuple(grid), first_row), rounds=TILED_ROUNDS)
     # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
     # is there already.
     sixteen = np.uint32(16)
-    slabs = {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[parts]
-    return slabs[0] if parts == 1 else jnp.concatenate(slabs, axis=axis)
+    return {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[parts]
 
 
 def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
