@@ -180,10 +180,16 @@ def numpy_threefry2x32(key, x0, x1, rounds):
     return x0, x1
 
 
-def numpy_tiled_tile(key, tile_index, tile, uniform_bits):
+def tiled_hash(key, x0, x1):
+    """The tiled impl's hash: Threefry-2x32-13 of the counter ``(x0, x1)``."""
+    return numpy_threefry2x32(key, x0, x1, rounds=13)
+
+
+def numpy_tiled_tile(key, tile_index, tile, uniform_bits, hash_words=tiled_hash):
     """uint32 bits of one tile of the tiled impl: parts of a hash cut the rows into slabs of
     whole sublanes, else the lanes into slabs of whole vregs, else halve; a 16-bit element's
-    uniform is the top half of its word."""
+    uniform is the top half of its word. ``hash_words(key, x0, x1)``: the hash (the statistical
+    tests' negative controls pass weakened ones)."""
     rows, cols = tile
     parts = 64 // uniform_bits
     while parts > 1 and rows % (8 * parts) and cols % (128 * parts):
@@ -191,7 +197,7 @@ def numpy_tiled_tile(key, tile_index, tile, uniform_bits):
     along_rows = parts == 1 or rows % (8 * parts) == 0
     grid = (rows // parts, cols) if along_rows else (rows, cols // parts)
     position = np.arange(grid[0] * grid[1], dtype=np.uint32).reshape(grid)
-    y0, y1 = numpy_threefry2x32(key, np.full(grid, tile_index % 2**32, np.uint32), position, rounds=13)
+    y0, y1 = hash_words(key, np.full(grid, tile_index % 2**32, np.uint32), position)
     if parts == 4:
         slabs = [(y0 & np.uint32(0xFFFF)) << np.uint32(16), y0, (y1 & np.uint32(0xFFFF)) << np.uint32(16), y1]
     else:
@@ -202,11 +208,11 @@ def numpy_tiled_tile(key, tile_index, tile, uniform_bits):
     return bits
 
 
-def numpy_tiled_view(key, view, tile, uniform_bits, first_tile=0):
+def numpy_tiled_view(key, view, tile, uniform_bits, first_tile=0, hash_words=tiled_hash):
     """The tiled impl's bits of a ``view`` (rows, cols) drawn per ``tile``, numbered row-major
     over the view padded to whole tiles (from ``first_tile``), cut to the view."""
     tiles_down, tiles_across = -(-view[0] // tile[0]), -(-view[1] // tile[1])
-    bits = np.block([[numpy_tiled_tile(key, first_tile + i * tiles_across + j, tile, uniform_bits)
+    bits = np.block([[numpy_tiled_tile(key, first_tile + i * tiles_across + j, tile, uniform_bits, hash_words)
                       for j in range(tiles_across)] for i in range(tiles_down)])
     return bits[:view[0], :view[1]]
 
