@@ -40,6 +40,7 @@ def words_of_key(key_data_array) -> tuple[int, int]:
     return tuple(int(w) for w in np.asarray(key_data_array).view(np.uint32))
 
 
+@functools.cache
 def fold_in_key(i: int) -> tuple[int, int]:
     """The key data of ``prng.fold_in(KEY, i)``: torch_pallas.checkpoint's i-th key."""
     return words_of_key(prng.fold_in(jnp.asarray(key_data(SEED)), i))
@@ -334,7 +335,8 @@ def _rounds(rounds):
 
 WEAK = {
     "threefry with 2 rounds": Model("2 rounds", _rounds(2)),
-    "threefry with 4 rounds": Model("4 rounds", _rounds(4)),
+    "threefry with 8 rounds": Model("8 rounds", _rounds(8)),
+    "threefry with 9 rounds": Model("9 rounds", _rounds(9)),
     "key ignored": Model("key ignored", _zero_key(tiled_hash)),
     "tile index ignored": Model("tile index ignored", lambda key, x0, x1: tiled_hash(key, x0 * np.uint32(0), x1)),
     "neighbouring lanes share a hash": Model("lanes share", lambda key, x0, x1: tiled_hash(key, x0, x1 >> np.uint32(1))),
@@ -344,14 +346,15 @@ WEAK = {
     "shards start a tile early": Model("shards overlap", first_tile_of=lambda first_tile: max(first_tile - 1, 0)),
     "8-bit uniforms rescaled by 1 / (1 - p)": Model("FlashAttention-2's dropout", eight_bit_dropout=True),
 }
-# (weak generator, the check that must reject it, its arguments)
+# (weak generator, the check that must reject it, its arguments). Counter avalanche rejects Threefry-2x32
+# with up to 9 rounds, key avalanche up to 8: the tiled impl's 13 are 4 rounds past what these tests see.
 NEGATIVE_CONTROLS = [
     ("threefry with 2 rounds", check_bits, (32,)),
     ("threefry with 2 rounds", check_avalanche, ("counter",)),
     ("threefry with 2 rounds", check_avalanche, ("key",)),
     ("threefry with 2 rounds", check_independence, ("lanes", 16)),
-    ("threefry with 4 rounds", check_avalanche, ("counter",)),
-    ("threefry with 4 rounds", check_avalanche, ("key",)),
+    ("threefry with 8 rounds", check_avalanche, ("key",)),
+    ("threefry with 9 rounds", check_avalanche, ("counter",)),
     ("key ignored", check_avalanche, ("key",)),
     ("key ignored", check_independence, ("adjacent seeds", 16)),
     ("key ignored", check_independence, ("fold_in siblings", 32)),
