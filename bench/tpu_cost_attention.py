@@ -10,7 +10,7 @@ and the gradients of q, k, v for an incoming gradient; inputs key, q, k, v and t
 
 - ``ours``: ``torch_pallas.kernels.attention.attention`` (its custom_vjp: the forward kernel, then
   the key/value and query backward kernels) with its default blocks, at dropout_p 0 and 0.1 with
-  each impl (threefry, hardware);
+  each impl (threefry, hardware, tiled);
 - ``jax flash``: JAX's own Pallas kernel, ``jax.experimental.pallas.ops.tpu.flash_attention``
   (no dropout), with its default ``BlockSizes`` (128 everywhere) and with blocks equal to our
   defaults (``attention._default_blocks``);
@@ -49,7 +49,8 @@ DTYPE = "bfloat16"
 P = 0.1
 KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 # (name, dropout_p, impl) of our kernel.
-OURS = (("ours p=0", 0.0, "threefry"), ("ours p=0.1 threefry", P, "threefry"), ("ours p=0.1 hardware", P, "hardware"))
+OURS = (("ours p=0", 0.0, "threefry"), ("ours p=0.1 threefry", P, "threefry"), ("ours p=0.1 hardware", P, "hardware"),
+        ("ours p=0.1 tiled", P, "tiled"))
 JAX_FLASH = ("jax flash (default blocks)", "jax flash (our blocks)")
 MATH = "torch math p=0.1"
 PROGRAMS = tuple(name for name, _, _ in OURS) + JAX_FLASH + (MATH,)

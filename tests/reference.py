@@ -10,7 +10,7 @@ except ImportError:  # jax 0.10 moved threefry's primitive and lowering to jax._
     from jax._src.random import threefry2x32 as jax_prng
 from jax._src.interpreters import mlir
 
-from torch_pallas.kernels import attention, prng
+from torch_pallas.kernels import attention, prng, tiling
 
 # Seeds with and without high bits: the high word must reach the key.
 SEEDS = (0, 1234, 2**63 + 2**40 + 7, 2**64 - 1)
@@ -155,3 +155,99 @@ def random_case(shape, weight_range=(0.0, 1.0), seed=0):
     grad_output = torch.randn(T, B, F, generator=generator, dtype=torch.float64)
     grad_h_n = torch.randn(B, F, generator=generator, dtype=torch.float64)
     return x, weight, h0, grad_output, grad_h_n
+
+
+# --- The tiled impl in NumPy, written from its specification (docs/noise.md, The generators),
+# not from the kernels' code: Random123's Threefry-2x32-R, the layout rule and the tile numbering.
+
+_THREEFRY_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+
+
+def numpy_threefry2x32(key, x0, x1, rounds):
+    """Random123's ``threefry2x32_R(rounds, counter=(x0, x1), key)`` over uint32 arrays."""
+    k0, k1 = (np.uint32(k) for k in key)
+    schedule = (k0, k1, np.uint32(k0 ^ k1 ^ np.uint32(0x1BD11BDA)))
+    x0 = np.asarray(x0, np.uint32) + schedule[0]
+    x1 = np.asarray(x1, np.uint32) + schedule[1]
+    for r in range(rounds):
+        x0 = x0 + x1
+        distance = _THREEFRY_ROTATIONS[r % 8]
+        x1 = ((x1 << np.uint32(distance)) | (x1 >> np.uint32(32 - distance))) ^ x0
+        if r % 4 == 3:
+            injection = r // 4 + 1
+            x0 = x0 + schedule[injection % 3]
+            x1 = x1 + schedule[(injection + 1) % 3] + np.uint32(injection)
+    return x0, x1
+
+
+def tiled_hash(key, x0, x1):
+    """The tiled impl's hash: Threefry-2x32-13 of the counter ``(x0, x1)``."""
+    return numpy_threefry2x32(key, x0, x1, rounds=13)
+
+
+def numpy_tiled_tile(key, tile_index, tile, uniform_bits, hash_words=tiled_hash):
+    """uint32 bits of one tile of the tiled impl: parts of a hash cut the rows into slabs of
+    whole sublanes, else the lanes into slabs of whole vregs, else halve; a 16-bit element's
+    uniform is the top half of its word. ``hash_words(key, x0, x1)``: the hash (the statistical
+    tests' negative controls pass weakened ones)."""
+    rows, cols = tile
+    parts = 64 // uniform_bits
+    while parts > 1 and rows % (8 * parts) and cols % (128 * parts):
+        parts //= 2
+    along_rows = parts == 1 or rows % (8 * parts) == 0
+    grid = (rows // parts, cols) if along_rows else (rows, cols // parts)
+    position = np.arange(grid[0] * grid[1], dtype=np.uint32).reshape(grid)
+    y0, y1 = hash_words(key, np.full(grid, tile_index % 2**32, np.uint32), position)
+    if parts == 4:
+        slabs = [(y0 & np.uint32(0xFFFF)) << np.uint32(16), y0, (y1 & np.uint32(0xFFFF)) << np.uint32(16), y1]
+    else:
+        slabs = [y0, y1][:parts]
+    bits = np.concatenate(slabs, axis=0 if along_rows else 1)
+    if uniform_bits == 16:  # only the top half is the uniform
+        bits = bits & np.uint32(0xFFFF0000)
+    return bits
+
+
+def numpy_tiled_view(key, view, tile, uniform_bits, first_tile=0, hash_words=tiled_hash):
+    """The tiled impl's bits of a ``view`` (rows, cols) drawn per ``tile``, numbered row-major
+    over the view padded to whole tiles (from ``first_tile``), cut to the view."""
+    tiles_down, tiles_across = -(-view[0] // tile[0]), -(-view[1] // tile[1])
+    bits = np.block([[numpy_tiled_tile(key, first_tile + i * tiles_across + j, tile, uniform_bits, hash_words)
+                      for j in range(tiles_across)] for i in range(tiles_down)])
+    return bits[:view[0], :view[1]]
+
+
+def tiled_bits(seed, shape, uniform_bits=32):
+    """uint32 bits of the tiled impl for an elementwise tensor of ``shape`` (its 2-D view and the
+    hardware impl's tiles: tiling.view_2d, tiling.hardware_tile), 16-bit ones masked to their top half."""
+    view = tiling.view_2d(shape)
+    key = key_data(seed).view(np.uint32)
+    return numpy_tiled_view(key, view, tiling.hardware_tile(*view), uniform_bits).reshape(shape)
+
+
+def tiled_drop_threshold(p):
+    return int(np.floor(p * 65536 + 0.5))
+
+
+def tiled_keep_from_bits(bits, p):
+    """Kept where the 16-bit uniform (the top half) is at least round(p * 65536)."""
+    return (np.asarray(bits, np.uint32) >> np.uint32(16)) >= tiled_drop_threshold(p)
+
+
+def tiled_dropout(seed, x, p):
+    """Dropout with the tiled impl: kept values divided by (65536 - t) / 65536 in float32, rounded once."""
+    keep = tiled_keep_from_bits(tiled_bits(seed, x.shape, 16), p)
+    wide = np.asarray(x, np.float32)
+    keep_probability = np.float32((65536 - tiled_drop_threshold(p)) / 65536)
+    return jnp.asarray(np.where(keep, wide / keep_probability, wide * np.float32(0.0))).astype(x.dtype)
+
+
+def attention_tiled_keep(shape, dropout_p, seed=1234):
+    """The tiled impl's mask of ``(*batch, L, S)`` attention weights: each plane drawn per
+    :func:`attention.attention_tile`, tiles numbered on from the previous planes'."""
+    *batch, L, S = shape
+    tile = attention.attention_tile(L, S)
+    tiles_per_plane = -(-L // tile[0]) * -(-S // tile[1])
+    key = key_data(seed).view(np.uint32)
+    planes = [numpy_tiled_view(key, (L, S), tile, 16, b * tiles_per_plane) for b in range(int(np.prod(batch)))]
+    return tiled_keep_from_bits(np.stack(planes).reshape(shape), dropout_p)

@@ -12,7 +12,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint
 
 import torch_pallas
-from reference import SEEDS, jax_key
+from reference import SEEDS, jax_key, tiled_bits, tiled_keep_from_bits
 from torch_pallas.ops import dropout as dropout_op
 
 SHAPE = (20, 300)
@@ -206,6 +206,19 @@ def test_shared_mask_needs_a_dimension():
 def test_hardware_impl_off_tpu_names_threefry():
     with pytest.raises(ValueError, match="impl='threefry'"):
         torch_pallas.dropout(positive(SHAPE), impl="hardware")
+
+
+def test_tiled_impl_is_its_reference_and_the_backward_regenerates_its_mask():
+    """docs/noise.md, The generators: impl="tiled" through the torch layer, forward and backward
+    (the kernels' own tests: tests/kernels/test_tiled.py)."""
+    shape, p = (6, 1000, 128), 0.1
+    x = positive(shape).requires_grad_()
+    y = torch_pallas.dropout(x, p=p, seed=1234, impl="tiled")
+    y.backward(xla(torch.ones(shape)))
+    keep = tiled_keep_from_bits(tiled_bits(1234, shape, 16), p)
+    np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, keep)
+    np.testing.assert_array_equal(x.grad.cpu().numpy() != 0, keep)
+    np.testing.assert_allclose(x.grad.cpu().numpy()[keep], 1 / (58982 / 65536), rtol=2e-7)
 
 
 @pytest.mark.tpu

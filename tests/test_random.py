@@ -120,9 +120,9 @@ def test_hardware_noise_has_no_repeated_tiles_on_tpu():
 
 
 def test_default_impl_is_threefry_and_set_default_impl_checks_its_argument():
-    """docs/noise.md, The two generators (the default impl and how to change it)."""
+    """docs/noise.md, The generators (the default impl and how to change it)."""
     assert tp_random.get_default_impl() == "threefry"
-    with pytest.raises(ValueError, match="impl must be one of 'threefry', 'hardware', got 'philox'"):
+    with pytest.raises(ValueError, match="impl must be one of 'threefry', 'hardware', 'tiled', got 'philox'"):
         tp_random.set_default_impl("philox")
     if not bridge.on_tpu():
         with pytest.raises(ValueError, match="needs PJRT_DEVICE=TPU"):

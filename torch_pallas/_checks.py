@@ -95,7 +95,7 @@ def _check_impl(impl, name: str) -> str:
     if impl == prng.HARDWARE and not bridge.lowers_for_tpu():
         raise ValueError(
             f"{name} is 'hardware', which uses the TPU's hardware PRNG and needs PJRT_DEVICE=TPU; "
-            "use impl='threefry' here")
+            "use impl='threefry' or impl='tiled' here")
     return impl
 
 

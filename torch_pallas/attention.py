@@ -32,7 +32,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     1 - dropout_p, (*batch, L, S))``, the mask :func:`torch_pallas.dropout` draws for the
     weights with the same seed: attention written out with ``torch_pallas.dropout`` on the
     weights gives the same result (to float rounding). ``impl="hardware"`` (TPU) seeds the
-    TPU's PRNG per tile of each ``L x S`` plane (:ref:`attention's mask <attention-mask>`).
+    TPU's PRNG per tile of each ``L x S`` plane, ``impl="tiled"`` draws the same tiles with a
+    portable hash (:ref:`attention's mask <attention-mask>`).
 
     Args:
         query (Tensor): ``(*batch, L, E)``; float32, bfloat16 or float16 (computed in float32

@@ -200,8 +200,8 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     The mask is that of :func:`torch_pallas.scaled_dot_product_attention`'s dropout for
     ``(*batch, L, S)`` weights: with ``impl="threefry"`` :func:`dropout`'s for the same key
     (bit for bit ``jax.random.bernoulli(key, 1 - p, weights.shape)``); with
-    ``impl="hardware"`` seeded per tile of each ``L x S`` plane, which is not the mask
-    :func:`dropout` draws for the same key.
+    ``impl="hardware"`` or ``"tiled"`` drawn per tile of each ``L x S`` plane, which is not the
+    mask :func:`dropout` draws for the same key.
 
     One kernel runs for weights ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` with the
     same batch dims, of one dtype among float32, bfloat16 and float16, not split by SPMD

@@ -41,8 +41,8 @@ def set_default_impl(impl: str | None) -> None:
     they run, not when they are built.
 
     Args:
-        impl (str or None): ``"threefry"`` or ``"hardware"`` (TPU only; :ref:`the two
-            generators <noise-impls>`); ``None`` restores the environment's choice
+        impl (str or None): ``"threefry"``, ``"tiled"`` or ``"hardware"`` (TPU only;
+            :ref:`the generators <noise-impls>`); ``None`` restores the environment's choice
             (``TORCH_PALLAS_NOISE_IMPL``) or ``"threefry"``.
 
     Raises:
@@ -96,7 +96,7 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
             take (uneven shards, more than two split dims besides the first, with
-            ``impl="hardware"`` shards that are not whole bands of tiles:
+            ``impl="hardware"`` or ``"tiled"`` shards that are not whole bands of tiles:
             :ref:`sharded tensors <sharding-limits>`).
 
     Example::

@@ -68,7 +68,7 @@ class route_dropout(TorchFunctionMode):
             dim (in their dtype), rows of at most 16384, the softmax joins the kernel too
             (computed in float32 and rounded once, whole rows per block: within float32
             rounding of unfused), and only the scores are kept. With ``impl="threefry"``
-            the same mask; with ``impl="hardware"`` the mask is drawn per attention tile
+            the same mask; with ``impl="hardware"`` or ``"tiled"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
             Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s

@@ -103,16 +103,16 @@ class Sharding:
               shared_over_first_dim: bool = False) -> str:
         """Returns :attr:`text` if a tensor of ``shape`` can be processed per shard: equal
         shards (:meth:`shard_shape`), and for a noise kernel of ``impl`` (not ``None``) a
-        sharding it can follow (two split dims at most besides the first; for the hardware
-        PRNG, seeded per tile of the whole tensor's 2-D view, shards of whole tiles). Plain
+        sharding it can follow (two split dims at most besides the first; for the per-tile
+        impls, drawn per tile of the whole tensor's 2-D view, shards of whole tiles). Plain
         Python on tuples, so dynamo traces it.
 
         Raises:
             ValueError: naming ``name`` and what the kernel cannot follow.
         """
         shard_shape = self.shard_shape(shape, name)
-        if impl == prng.HARDWARE:
-            elementwise.hardware_view(shard_shape, shape, shared_over_first_dim)
+        if prng.per_tile(impl):
+            elementwise.hardware_view(shard_shape, shape, shared_over_first_dim, impl)
         elif impl is not None:
             elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
         return self.text

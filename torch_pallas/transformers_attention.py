@@ -47,7 +47,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             only without a mask and with more than one query, as transformers 5's ``sdpa``.
         position_bias (Tensor, optional): an additive score bias (transformers 5's T5-style
             models), combined with the mask as transformers' ``sdpa`` does.
-        impl (str, optional): the dropout noise impl (``"threefry"`` or ``"hardware"``).
+        impl (str, optional): the dropout noise impl (``"threefry"``, ``"tiled"`` or ``"hardware"``).
 
     Returns:
         (Tensor, None): the output ``(batch, L, heads, Ev)`` and no attention weights (they

@@ -29,8 +29,8 @@ def export_for_cuda(function, *args):
 
 
 def test_noise_kernels_lower_to_triton():
-    for dtype in (jnp.float32, jnp.bfloat16):
-        module = export_for_cuda(functools.partial(dropout.dropout, p=0.5),
+    for dtype, impl in ((jnp.float32, "threefry"), (jnp.bfloat16, "threefry"), (jnp.float32, "tiled")):
+        module = export_for_cuda(functools.partial(dropout.dropout, p=0.5, impl=impl),
                                  KEY, jax.ShapeDtypeStruct((64, 256), dtype)).mlir_module()
         assert "xla.gpu.triton" in module
     module = export_for_cuda(functools.partial(sampling.sample, shape=(64, 256), distribution="normal",

@@ -73,7 +73,7 @@ def test_tile_index_is_sample_blocks(total, block, tile):
     ((32, 197, 768), (6304, 768)), ((8, 512, 2048), (4096, 2048)), ((2**22,), (4096, 1024)),
     ((4, 768), (3, 1024)), ((2, 3, 256), (3, 512)), ((13, 300), (13, 300)), ((1000,), (1, 1000)), ((7,), (1, 7))])
 def test_view_is_the_tensors_own_rows_when_they_are_whole_lanes(shape, view):
-    """docs/noise.md, The two generators: the 2-D view the hardware impl's seed tiles cover."""
+    """docs/noise.md, The generators: the 2-D view the hardware impl's seed tiles cover."""
     assert tiling.view_2d(shape) == view
 
 
@@ -82,5 +82,5 @@ def test_view_is_the_tensors_own_rows_when_they_are_whole_lanes(shape, view):
     ((20, 300), (24, 128)), ((2, 3072), (8, 1024)), ((100, 384), (104, 128)), ((2048, 128), (512, 128)),
     ((1, 7), (8, 128)), ((6304, 768), (256, 256)), ((4160, 1024), (64, 1024))])
 def test_hardware_tile_is_every_row_or_the_most_rows_within_65536_elements(view, tile):
-    """docs/noise.md, The two generators: the seed tiles it names."""
+    """docs/noise.md, The generators: the seed tiles it names."""
     assert tiling.hardware_tile(*view) == tile

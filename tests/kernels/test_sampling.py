@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from reference import (SEEDS, as_bits, emulated_hardware_tile_bits, jax_key, jax_random_part, key_data, offset_words,
-                       ulp_distance)
+from reference import (SEEDS, as_bits, emulated_hardware_tile_bits, jax_key, jax_random_part, key_data,
+                       numpy_tiled_tile, offset_words, tiled_bits, ulp_distance)
 from torch_pallas.kernels import elementwise, prng, sampling, tiling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
@@ -242,13 +242,16 @@ HARDWARE_SHARDED = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["hardware", "tiled"])
 @pytest.mark.parametrize("global_shape,tiles,shared,blocks", HARDWARE_SHARDED)
-def test_hardware_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_prng, global_shape, tiles,
-                                                             shared, blocks):
+def test_per_tile_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_prng, global_shape, tiles,
+                                                             shared, blocks, impl):
     noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(5)), transform=as_int32,
-                              out_dtype=jnp.int32, impl="hardware", interpret=True, blocks=blocks,
+                              out_dtype=jnp.int32, impl=impl, interpret=True, blocks=blocks,
                               shared_over_first_dim=shared)
     expected = np.asarray(noise(global_shape))
+    if impl == "tiled" and not shared:
+        np.testing.assert_array_equal(expected.view(np.uint32), tiled_bits(5, global_shape))
     for index, shard, offset, part in shards(global_shape, tiles, shared):
         got = noise(shard, global_shape=global_shape, shard_offset=offset)
         np.testing.assert_array_equal(np.asarray(got), expected[part], err_msg=str(index))
@@ -278,7 +281,7 @@ def test_hardware_noise_is_the_same_for_every_block_of_whole_tiles(emulated_hard
 
 
 def test_hardware_noise_of_a_cut_last_tile_row_is_its_tiles_drawn_whole(emulated_hardware_prng):
-    """docs/noise.md, The two generators: a (6000, 128) view's (512, 128) tiles numbered row-major, the
+    """docs/noise.md, The generators: a (6000, 128) view's (512, 128) tiles numbered row-major, the
     last tile row's 368 rows those of its tile drawn whole; no block is padded in HBM."""
     shape = (6, 1000, 128)
     got = np.asarray(elementwise.noise_map(jnp.asarray(key_data(7)), shape, as_int32, jnp.int32, impl="hardware",
@@ -309,6 +312,17 @@ def test_first_tile_of_a_shard_is_its_tile_index_past_2_32_elements(global_cols,
         expected = (offset // tiling.LANES if one_row else multiple * tiles_per_band) % 2**32
         got = elementwise._first_tile(jnp.asarray(offset_words(offset)), global_cols, one_row, tiling.TILE)
         assert int(np.asarray(got).view(np.uint32)[0]) == expected, offset
+
+
+def test_tiled_shard_past_2_32_elements_draws_its_tiles():
+    # As below: the shards at elements 2**32 and 2**32 + 2**16 are (64, 1024) tiles 2**16 and 2**16 + 1.
+    key = key_data(5).view(np.uint32)
+    for tile in range(2):
+        got = elementwise.noise_map(jnp.asarray(key_data(5)), (64, 1024), as_int32, jnp.int32, impl="tiled",
+                                    interpret=True, global_shape=(2**22 + 128, 1024),
+                                    shard_offset=offset_words(2**32 + tile * 2**16), uniform_bits=16)
+        expected = numpy_tiled_tile(key, 2**16 + tile, (64, 1024), 16)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32) & np.uint32(0xFFFF0000), expected)
 
 
 def test_hardware_shard_past_2_32_elements_draws_its_tiles(emulated_hardware_prng):

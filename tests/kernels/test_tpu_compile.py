@@ -4,7 +4,7 @@ torchax stack's) the whole matrix for every generation; with torch_xla's libtpu 
 whole matrix for v6e and a representative subset for the others.
 
 Each configuration runs XLA's TPU compiler and Mosaic's passes (:mod:`torch_pallas.tpu_compile`): every
-kernel, both noise impls, every dtype the public API accepts, tiny, ragged, 1-D and large
+kernel, the threefry and hardware noise impls (the tiled one in a configuration per kernel family), every dtype the public API accepts, tiny, ragged, 1-D and large
 shapes (large enough that the default blocks reach their limits), with the library's
 default blocks and with forced non-default ones; the Mosaic IR version (pinned where the
 JAX version needs it); blocks too large for VMEM failing with libtpu's message rather than a crash;
@@ -32,6 +32,10 @@ pytestmark = [
 ]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# The impls the matrix below compiles. The tiled impl's kernels are the hardware impl's per-tile
+# paths with an integer hash in place of the PRNG: TILED_CONFIGURATIONS compiles one
+# configuration per kernel family for every generation.
+MATRIX_IMPLS = (prng.THREEFRY, prng.HARDWARE)
 KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 # Tiny, ragged, 1-D (a single-row view), and large: (4096, 4096) reaches the TPU's default
 # block limit (1 MiB per operand block).
@@ -78,7 +82,7 @@ def generation(request):
 SAMPLERS = [(distribution, dtype) for distribution in ("uniform", "normal") for dtype in DTYPES] + [("bernoulli", "bool")]
 
 
-@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
 @pytest.mark.parametrize("distribution,dtype", SAMPLERS)
 def test_sampling(generation, distribution, dtype, impl):
     for shape in elementwise_shapes(dtype):
@@ -88,7 +92,7 @@ def test_sampling(generation, distribution, dtype, impl):
 
 
 @pytest.mark.parametrize("blocks", ["small", "column-major"])
-@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
 def test_sampling_forced_blocks(generation, impl, blocks):
     for dtype in (jnp.float32, jnp.bfloat16):
         kernel = functools.partial(sampling.uniform, shape=ELEMENTWISE_SHAPES["large"], dtype=dtype, impl=impl,
@@ -98,7 +102,7 @@ def test_sampling_forced_blocks(generation, impl, blocks):
 
 @pytest.mark.parametrize("shared_over_first_dim", [False, True], ids=["", "shared-mask"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
 def test_dropout(generation, impl, dtype, shared_over_first_dim):
     # The backward pass is this kernel on the gradient, with its own blocks (below).
     kernel = functools.partial(dropout.dropout, p=0.1, impl=impl, interpret=False,
@@ -116,7 +120,7 @@ OFFSETS_SPEC = P("data", "model", None)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
 def test_dropout_add(generation, impl, dtype):
     # Two operands in, one out: the fused residual add (its backward is the dropout kernel).
     kernel = functools.partial(dropout.dropout_add, p=0.1, impl=impl, interpret=False)
@@ -174,10 +178,10 @@ HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048),
                           ((8, 64, 2048), P(None, ("data", "model"), None), True)]
 
 
-def test_hardware_dropout_per_shard_on_a_2x2_topology(generation):
+def test_hardware_dropout_per_shard_on_a_2x2_topology(generation, impl="hardware", cases=HARDWARE_SHARDED_NOISE):
     offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
-    for shape, spec, shared in HARDWARE_SHARDED_NOISE:
-        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False, impl="hardware",
+    for shape, spec, shared in cases:
+        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False, impl=impl,
                                    shared_over_first_dim=shared)
         assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                        jax.ShapeDtypeStruct(shape, jnp.float32), generation=generation)
@@ -295,7 +299,7 @@ def _attention_on_shard(key_data, offsets, query, key, value, **options):
     return attention.attention_backward(key_data, query, key, value, out, lse, out, **shard)
 
 
-@pytest.mark.parametrize("impl", prng.IMPLS)
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
 def test_attention_per_shard_on_a_2x2_topology(generation, impl):
     """Batch and heads split over the 2x2 mesh, GQA heads with them."""
     spec = P("data", "model", None, None)
@@ -352,6 +356,44 @@ REPRESENTATIVE = {
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "float", 197, 197),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
 }
+
+
+def _compiles_tiled_dropout(generation):
+    """float32 (2**24 elements in (64, 1024) tiles: four row slabs per hash; a ragged view's (24, 128)
+    tiles: one element per hash) and bfloat16 (a 1-D view's (8, 1024) tiles: four lane slabs; ViT's
+    rows in (256, 256) tiles with the last tile row cut, with a residual)."""
+    kernel = functools.partial(dropout.dropout, p=0.1, impl="tiled", interpret=False)
+    for shape, dtype in ((ELEMENTWISE_SHAPES["large"], jnp.float32), (ELEMENTWISE_SHAPES["ragged"], jnp.float32),
+                         (ELEMENTWISE_SHAPES["1d"], jnp.bfloat16)):
+        compiles(kernel, KEY, jax.ShapeDtypeStruct(shape, dtype), generation=generation)
+    compiles(functools.partial(dropout.dropout_add, p=0.1, impl="tiled", interpret=False), KEY,
+             *[jax.ShapeDtypeStruct(VIT_ROWS, jnp.bfloat16)] * 2, generation=generation)
+
+
+# One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
+# lanes, one element per hash), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
+# ((200, 256) tiles, cut: two lane slabs per hash).
+TILED_CONFIGURATIONS = {
+    "sampling": lambda generation: compiles(
+        functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,
+        generation=generation),
+    "dropout": _compiles_tiled_dropout,
+    "dropout-per-shard": lambda generation: test_hardware_dropout_per_shard_on_a_2x2_topology(
+        generation, "tiled", HARDWARE_SHARDED_NOISE[-1:]),
+    "attention": lambda generation: compiles(
+        functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
+        *[jax.ShapeDtypeStruct(ATTENTION_SHAPES["197"][0], jnp.float32)] * 3, generation=generation),
+    "dropout_matmul": lambda generation: compiles(
+        functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
+        *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
+        generation=generation),
+}
+
+
+@pytest.mark.parametrize("kernel", list(TILED_CONFIGURATIONS))
+@pytest.mark.parametrize("generation", list(GENERATIONS))
+def test_tiled_configurations(generation, kernel):
+    TILED_CONFIGURATIONS[kernel](generation)
 
 
 if OTHER_GENERATIONS:  # none when every generation compiles the whole matrix (no empty, skipped test)
@@ -432,6 +474,8 @@ NAMED_CASES = {
                 ["dropout_threefry_b256x1024"]),
     "dropout_add-hardware": (functools.partial(dropout.dropout_add, p=0.1, impl="hardware", interpret=False),
                              [KEY, float32(256, 1024), float32(256, 1024)], ["dropout_add_hardware_b256x1024"]),
+    "dropout-tiled": (functools.partial(dropout.dropout, p=0.1, impl="tiled", interpret=False),
+                      [KEY, float32(256, 1024)], ["dropout_tiled_b256x1024"]),
     "normal": (functools.partial(sampling.normal, shape=(64, 1024), interpret=False), [KEY],
                ["sample_normal_threefry_b64x1024"]),
     "attention-causal": (functools.partial(attention_forward_and_backward, dropout_p=0.1, causal=True,
@@ -453,13 +497,15 @@ NAMED_CASES = {
 
 # Estimates worked out by hand from the kernels' counts: elementwise kernels move their operands
 # and output once and work per element (the noise's integer work counted as flops,
-# prng.NOISE_OPS); attention computes one exponential per score of the blocks that run (causal:
+# prng.noise_ops); attention computes one exponential per score of the blocks that run (causal:
 # 3 of the 2 x 2 blocks of 128 x 128 per plane).
 ELEMENTS = 256 * 1024
 EXPECTED_COSTS = {
-    "dropout_threefry_b256x1024": dict(flops=ELEMENTS * (prng.NOISE_OPS["threefry"] + 4), transcendentals=0,
+    "dropout_threefry_b256x1024": dict(flops=ELEMENTS * (prng.noise_ops("threefry") + 4), transcendentals=0,
                                        bytes_accessed=2 * 4 * ELEMENTS + 8),
-    "dropout_add_hardware_b256x1024": dict(flops=ELEMENTS * (prng.NOISE_OPS["hardware"] + 5), transcendentals=0,
+    "dropout_tiled_b256x1024": dict(flops=ELEMENTS * (prng.noise_ops("tiled", prng.DROPOUT_BITS) + 4),
+                                    transcendentals=0, bytes_accessed=2 * 4 * ELEMENTS + 8),
+    "dropout_add_hardware_b256x1024": dict(flops=ELEMENTS * (prng.noise_ops("hardware") + 5), transcendentals=0,
                                            bytes_accessed=3 * 4 * ELEMENTS + 8),
     "sample_normal_threefry_b64x1024": dict(transcendentals=2 * 64 * 1024, bytes_accessed=4 * 64 * 1024 + 8),
     "attention_fwd_threefry_causal_b128x128": dict(transcendentals=2 * 3 * 128 * 128),

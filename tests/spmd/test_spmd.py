@@ -64,6 +64,19 @@ def test_dropout_mask_and_gradient_are_the_unsharded_ones(case, shared):
     torch.testing.assert_close(x.grad.cpu(), (expected != 0) / 0.6, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mesh,spec", [("4x1", ("data", None)), ("2x2", (("data", "model"), None))])
+def test_tiled_dropout_on_shards_of_whole_tile_bands_is_the_unsharded_one(mesh, spec):
+    shape = (256, 1024)  # (64, 1024) tiles: a band of them per shard
+    values = torch.rand(shape) + 0.5
+    expected = torch_pallas.dropout(values.to(DEVICE), 0.4, seed=7, impl="tiled").cpu()
+    x = sharded(values, mesh_of(mesh), spec).requires_grad_(True)
+    y = torch_pallas.dropout(x, 0.4, seed=7, impl="tiled")
+    y.backward(torch.ones(shape, device=DEVICE))
+    assert spec_of(y) == spec_of(x)
+    torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
+    assert torch.equal(x.grad.cpu() != 0, expected != 0)
+
+
 @pytest.mark.parametrize("distribution", ["uniform", "normal", "bernoulli"])
 @pytest.mark.parametrize("mesh,shape,spec", CASES[2:3] + CASES[7:8], ids=IDS[2:3] + IDS[7:8])
 def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution, mesh, shape, spec):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("in_env")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_uniform_matches_jax_on_the_jax_device(dtype):
-    """docs/noise.md, The two generators: jax.random.uniform(key, shape) for the seed's key."""
+    """docs/noise.md, The generators: jax.random.uniform(key, shape) for the seed's key."""
     got = tp_random.uniform(SHAPE, seed=SEEDS[2], dtype=dtype, device="jax")
     assert got.device.type == "jax" and got.dtype == dtype and tuple(got.shape) == SHAPE
     reference = jax.random.uniform(jax_key(SEEDS[2]), SHAPE, str(dtype).removeprefix("torch."))

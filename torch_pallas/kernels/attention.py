@@ -23,6 +23,9 @@ kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
   numbered row-major over the planes (``b * tiles_per_plane + tile_row * tiles_per_row +
   tile_col``, the plane padded to whole tiles); blocks are whole tiles (or the whole length,
   its last tiles drawn whole and cut), so any forward and backward blocks agree.
+- ``impl="tiled"``: the same tiles, numbering and blocks, each tile's bits from
+  :func:`prng.tiled_tile_bits` (16-bit uniforms, ``dropout_p`` in steps of 2**-16 and the kept
+  weights scaled by the keep probability that gives, :func:`prng.keep_probability`).
 
 Shapes and semantics are torch's ``scaled_dot_product_attention``: ``query (*batch, L, E)``,
 ``key (*batch', S, E)``, ``value (*batch', S, Ev)`` with batch dims broadcast (and with
@@ -266,7 +269,7 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
                    backward: bool = False, max_planes: int = MAX_PLANES) -> AttentionBlocks:
     """``blocks`` (or the default) clamped to the lengths and checked as Mosaic wants them:
     ``q`` a multiple of 8 or all of ``L``, ``kv`` a multiple of 128 or all of ``S``; for
-    ``impl="hardware"`` whole :func:`attention_tile` tiles or all of the length (the default is
+    the per-tile impls (hardware, tiled) whole :func:`attention_tile` tiles or all of the length (the default is
     rounded up to them). A block of all of a length needs no padding of the operands: XLA
     would otherwise copy them padded, forward and backward, at HBM's cost. ``planes`` (where
     ``None``): 1, unless a block is a whole plane of at most 256 x 256 scores (padded to whole
@@ -276,10 +279,10 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
 
     Raises:
         TypeError: ``blocks`` is not an :class:`AttentionBlocks`.
-        ValueError: a block Mosaic would reject, not whole tiles for the hardware PRNG, or
+        ValueError: a block Mosaic would reject, not whole tiles for a per-tile impl, or
             ``planes`` that do not group as above.
     """
-    tile = attention_tile(problem.L, problem.S) if impl == prng.HARDWARE else None
+    tile = attention_tile(problem.L, problem.S) if prng.per_tile(impl) else None
     if blocks is None:
         blocks = _default_blocks(interpret, backward)
         if tile is not None:
@@ -291,7 +294,7 @@ def resolve_blocks(blocks: AttentionBlocks | None, problem: _Problem, *, impl: s
     if tile is not None:
         if (q != problem.L and q % tile[0]) or (kv != problem.S and kv % tile[1]):
             raise ValueError(f"blocks ({blocks.q}, {blocks.kv}) must be whole {tile} tiles (or the whole length) for "
-                             f"impl='hardware', the tile its PRNG is seeded per over this {problem.L}x{problem.S} "
+                             f"impl={impl!r}, the tile its noise is drawn per over this {problem.L}x{problem.S} "
                              "plane")
     elif (q != problem.L and q % tiling.SUBLANES) or (kv != problem.S and kv % tiling.LANES):
         raise ValueError(f"blocks: ({q}, {kv}) over a {problem.L}x{problem.S} score matrix is rejected by Mosaic "
@@ -413,13 +416,13 @@ class BlockWalk:
              exponentials: bool = True, dropout_selects: int = 1) -> pl.CostEstimate:
         """The estimate of a kernel whose every running score takes part in matrix products over
         ``matmul_lanes`` lanes in all (2 flops each), ``elementwise`` other flops, an exponential
-        (``exponentials``) and with dropout its noise (:data:`prng.NOISE_OPS`), keep test and
+        (``exponentials``) and with dropout its noise (:func:`prng.noise_ops`), keep test and
         ``dropout_selects`` selects."""
         static = self.static
         scores = static.problem.size * self.runs * static.blocks.q * static.blocks.kv
         per_score = 2 * matmul_lanes + elementwise
         if static.dropout_p:
-            per_score += prng.NOISE_OPS[static.impl] + 1 + dropout_selects
+            per_score += prng.noise_ops(static.impl, prng.DROPOUT_BITS) + 1 + dropout_selects
         return calls.cost_estimate(bytes_accessed=bytes_accessed, flops=scores * per_score,
                                    transcendentals=scores if exponentials else 0)
 
@@ -553,18 +556,21 @@ def kept_weights(static: _Static, key_ref, b, q_index, kv_index):
         first = b * tiles_per_plane + row0 // tile[0] * tiles_per_row + col0 // tile[1]
         rows = []
         for tile_row in range(pl.cdiv(blocks.q, tile[0])):
-            row = [prng.hardware_tile_bits(key_ref, first + tile_row * tiles_per_row + tile_col, tile)
+            row = [prng.tile_bits(static.impl, key_ref, first + tile_row * tiles_per_row + tile_col, tile,
+                                  prng.DROPOUT_BITS)
                    for tile_col in range(pl.cdiv(blocks.kv, tile[1]))]
             rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1))
         bits = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
         if bits.shape != (blocks.q, blocks.kv):  # a block of the whole length: its last tiles cut
             bits = bits[:blocks.q, :blocks.kv]
-    return prng.bernoulli_from_bits(bits, np.float32(1.0 - static.dropout_p))
+    return prng.kept(static.impl, bits, prng.keep_probability(static.impl, static.dropout_p))
 
 
-def kept_scale(dropout_p: float) -> np.float32:
-    """The factor of a kept weight, ``1 / (1 - p)``; 0 for ``p == 1``, which keeps nothing."""
-    return np.float32(1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+def kept_scale(impl: str, dropout_p: float) -> np.float32:
+    """The factor of a kept weight, one over :func:`prng.keep_probability` (``1 / (1 - p)``
+    but for the tiled impl's rounding of ``p``); 0 where that keeps nothing."""
+    keep = float(prng.keep_probability(impl, dropout_p)) if impl == prng.TILED else 1.0 - dropout_p
+    return np.float32(1.0 / keep if keep > 0 else 0.0)
 
 
 def _runs(static: _Static, q_index, kv_index):
@@ -614,7 +620,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         # torch's safe softmax: a row with every score -inf attends to nothing.
         safe_total = jnp.where(empty, np.float32(1.0), total)
         # The kept weights' 1 / (1 - p) joins the normaliser: once per row, not per weight.
-        inverse = (kept_scale(static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
+        inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
         out_ref[...] = (acc_ref[...] * _lanes(inverse, static.problem.Ev)).astype(out_ref.dtype)
         lse_ref[...] = jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total))
 
@@ -743,7 +749,7 @@ def _operands_fetched(walk: BlockWalk, q, k, v, bias, *, kv_major: bool, grad_ou
 def noise_words(key_data, impl, shard_offset):
     """The kernels' SMEM words: the key (for the hardware PRNG ``to_pallas_key``'s), then for a
     shard the [high, low] words of its first plane's flat batch index."""
-    key = prng.hardware_key_data(key_data) if impl == prng.HARDWARE else key_data
+    key = prng.key_words(key_data, impl)
     return key if shard_offset is None else jnp.concatenate([key, shard_offset.reshape(2).astype(jnp.int32)])
 
 
@@ -776,7 +782,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         bias: optional additive float mask, or a boolean mask (True takes part), broadcastable
             to ``(*batch, L, S)``.
         dropout_p: probability of dropping an attention weight, in [0, 1).
-        impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
+        impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         causal: keep only ``s <= l``; no ``bias`` with it.
         scale: the scores' factor; default ``1 / sqrt(E)``.
         gqa: repeat the key's and value's heads (dim -3) to the query's.
@@ -1017,7 +1023,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     grad_out = per_row(grad_out).astype(jnp.float32)
     delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1)
     # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).
-    grad_out = (grad_out * kept_scale(dropout_p) if dropout_p else grad_out).astype(query.dtype)
+    grad_out = (grad_out * kept_scale(impl, dropout_p) if dropout_p else grad_out).astype(query.dtype)
     lse_rows = jnp.pad(lse.reshape(rows), ((0, 0), (0, L_padded - problem.L)), constant_values=jnp.inf)
     num_q, num_kv = L_padded // blocks.q, S_padded // blocks.kv
     lse_rows, delta = (stat.reshape(problem.size, num_q, 1, blocks.q) for stat in (lse_rows, delta))

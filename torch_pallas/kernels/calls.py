@@ -41,7 +41,7 @@ def cost_estimate(*, bytes_accessed, flops, transcendentals=0) -> pl.CostEstimat
     """A kernel's cost for XLA: ``bytes_accessed``, what its blocks move between HBM and VMEM
     (its operands and outputs, a block read again where its BlockSpec fetches it again);
     ``flops``, its arithmetic (a matrix product ``2 * M * N * K``, elementwise work a few per
-    element, the noise's integer work as :data:`torch_pallas.kernels.prng.NOISE_OPS` counts
+    element, the noise's integer work as :func:`torch_pallas.kernels.prng.noise_ops` counts
     it); ``transcendentals``, its exponentials, logarithms and the like. Rounded to ints."""
     return pl.CostEstimate(flops=round(flops), transcendentals=round(transcendentals),
                            bytes_accessed=round(bytes_accessed))

@@ -34,6 +34,12 @@ _NEEDS_IR_VERSION_PIN = JAX_VERSION < (0, 8, 0)
 # jax commit 0f26969 (November 2025, first released in 0.8.1) wraps pallas_call's bind in
 # named_scope(name).
 _PALLAS_CALL_NAMES_ITS_SCOPE = JAX_VERSION >= (0, 8, 1)
+# Whether elementwise kernels draw a tiled-impl tile in pieces of 8 rows of its hash grid (the same
+# bits either way). On libtpu's static schedule of dropout at 2**22 elements, jax 0.7.1's libtpu
+# 0.0.21 schedules the pieces shorter (v4 24-26%, v6e 12-13%, v5e and v5p 11% in bfloat16, 3% longer
+# in float32 where HBM bounds them), jax 0.10's libtpu 0.0.52 the whole tile (pieces 4-14% longer on
+# v5e-v6e, the same on v4): bench/results/tpu_cost.md, The tiled impl.
+TILED_HASH_IN_PIECES = JAX_VERSION < (0, 8, 0)
 
 
 def pin_mosaic_ir_version() -> bool:

@@ -3,13 +3,14 @@
 ``keep = bernoulli(key, 1 - p, x.shape)`` and ``y = where(keep, x / (1 - p), x * 0)``. The
 backward pass is the same map applied to the incoming gradient with the same key, so one
 kernel serves both; each call picks its own blocks, and the mask does not depend on them.
+With ``impl="tiled"`` the keep test reads 16-bit uniforms and ``1 - p`` is the keep
+probability its threshold gives (:func:`prng.keep_probability`).
 """
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 
@@ -32,8 +33,8 @@ def kept_values(keep, values, keep_probability) -> jax.Array:
 _MASK_FLOPS = 4
 
 
-def _apply_mask(bits, values, *residual, keep_probability):
-    out = kept_values(prng.bernoulli_from_bits(bits, keep_probability), values, keep_probability)
+def _apply_mask(bits, values, *residual, impl, keep_probability):
+    out = kept_values(prng.kept(impl, bits, keep_probability), values, keep_probability)
     if residual:
         out = out + residual[0].astype(jnp.float32)
     return out.astype(values.dtype)
@@ -51,7 +52,9 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
         key_data: int32 (2,) threefry key words (see :mod:`torch_pallas.seeds`).
         x: float32, bfloat16 or float16 array of any shape.
         p: drop probability in [0, 1]. The keep threshold is ``float32(1 - p)``, as
-            ``jax.random.bernoulli(key, 1 - p)`` computes it.
+            ``jax.random.bernoulli(key, 1 - p)`` computes it; with ``impl="tiled"`` ``p``
+            rounded to a multiple of 2**-16, kept values divided by the keep probability that
+            gives (:func:`prng.keep_probability`).
         impl, interpret, blocks: see :func:`elementwise.noise_map`.
         shared_over_first_dim: one mask ``bernoulli(key, 1 - p, x.shape[1:])`` for every
             index of the first dim (a recurrent net's mask shared over time); needs
@@ -101,10 +104,10 @@ def _masked(key_data, operands, *, p, impl, interpret, blocks, shared_over_first
         return _masked(key_data, tiling.widen_float16(*operands), p=p, impl=impl, interpret=interpret,
                        blocks=blocks, shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
                        shard_offset=shard_offset).astype(x.dtype)
-    transform = functools.partial(_apply_mask, keep_probability=np.float32(1.0 - p))
+    transform = functools.partial(_apply_mask, impl=impl, keep_probability=prng.keep_probability(impl, p))
     residual = len(operands) - 1
     return elementwise.noise_map(key_data, x.shape, transform, x.dtype, tuple(operands), impl=impl,
                                  interpret=interpret, blocks=blocks, shared_over_first_dim=shared_over_first_dim,
                                  global_shape=global_shape, shard_offset=shard_offset,
                                  name="dropout_add" if residual else "dropout",
-                                 element_cost=(_MASK_FLOPS + residual, 0))
+                                 element_cost=(_MASK_FLOPS + residual, 0), uniform_bits=prng.DROPOUT_BITS)

@@ -12,10 +12,11 @@ keeps anyway.
 The mask is the one :mod:`torch_pallas.kernels.attention`'s kernels draw for ``(*batch, L,
 S)`` weights (:func:`attention.kept_weights`): with ``impl="threefry"`` bit for bit
 ``jax.random.bernoulli(key, 1 - p, weights.shape)``, so :func:`dropout.dropout`'s mask for the
-same key; with ``impl="hardware"`` seeded per :func:`attention.attention_tile`, which is not
-:func:`dropout.dropout`'s hardware mask (that one is seeded per tile of a lane-dense view of
-the whole tensor). A kept weight is ``weights / (1 - p)`` rounded to the weights' dtype, as
-the dropout kernel computes it; the products accumulate in float32.
+same key; with the per-tile impls (``"hardware"``, ``"tiled"``) drawn per
+:func:`attention.attention_tile`, which is not :func:`dropout.dropout`'s mask of those impls
+(drawn per tile of a lane-dense view of the whole tensor). A kept weight is ``weights / (1 -
+p)`` (:func:`prng.keep_probability`) rounded to the weights' dtype, as the dropout kernel
+computes it; the products accumulate in float32.
 
 With ``softmax=True`` the kernels take the scores instead and apply ``softmax(scores, -1)``
 first, whole rows per block: ``dropout(softmax(scores)) @ value``, eager attention's three
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -50,27 +50,26 @@ def check_shapes(weights_shape, value_shape) -> None:
 # Elements of one block of scores when a block holds whole rows (``softmax=True``): with the
 # weights, their gradient and the mask's bits alive at once it stays well inside v4's 16 MiB VMEM.
 _ROW_BLOCK_ELEMENTS = 2**17
-# The most a block of whole rows may hold where the hardware PRNG's tile rows set its least rows:
+# The most a block of whole rows may hold where a per-tile impl's tile rows set its least rows:
 # GPT-2's 256 x 1024 scores, which compile for every generation.
 _MAX_ROW_BLOCK_ELEMENTS = 2**18
 
 
 def rows_fit(L: int, S: int, impl: str) -> bool:
     """Whether ``softmax=True`` takes ``(L, S)`` weights: 8 rows of ``S`` scores (and their
-    hardware tiles' padding) within :data:`_ROW_BLOCK_ELEMENTS`, and with ``impl="hardware"``
+    tiles' padding) within :data:`_ROW_BLOCK_ELEMENTS`, and with a per-tile impl (hardware, tiled)
     the fewest rows a block of whole tiles holds within :data:`_MAX_ROW_BLOCK_ELEMENTS`."""
     if tiling.SUBLANES * tiling.round_up(S, 512) > _ROW_BLOCK_ELEMENTS:
         return False
-    if impl != prng.HARDWARE:
+    if not prng.per_tile(impl):
         return True
     return min(attention.attention_tile(L, S)[0], L) * tiling.round_up(S, 512) <= _MAX_ROW_BLOCK_ELEMENTS
 
 
 def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
-    """Blocks of whole rows: as many rows as fit :data:`_ROW_BLOCK_ELEMENTS` (with the hardware
-    PRNG's bits drawn for whole tiles), a multiple of 8 and of the hardware tile's rows, or all
-    of ``L``."""
-    tile = attention.attention_tile(L, S) if impl == prng.HARDWARE else (tiling.SUBLANES, 1)
+    """Blocks of whole rows: as many rows as fit :data:`_ROW_BLOCK_ELEMENTS` (with a per-tile
+    impl's bits drawn for whole tiles), a multiple of 8 and of its tile's rows, or all of ``L``."""
+    tile = attention.attention_tile(L, S) if prng.per_tile(impl) else (tiling.SUBLANES, 1)
     rows = max(tile[0], _ROW_BLOCK_ELEMENTS // tiling.round_up(S, tile[1]) // tile[0] * tile[0])
     return attention.AttentionBlocks(min(rows, L), S)
 
@@ -84,10 +83,10 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
         if blocks is not None and blocks.kv < S:
             raise ValueError(f"blocks must hold whole rows (kv >= {S}) with softmax=True, got {blocks}")
         if not rows_fit(L, S, impl):
-            hardware = (f", and with impl='hardware' at most {_MAX_ROW_BLOCK_ELEMENTS} in a block of the PRNG's "
-                        f"{attention.attention_tile(L, S)[0]}-row tiles" if impl == prng.HARDWARE else "")
+            per_tile = (f", and with impl={impl!r} at most {_MAX_ROW_BLOCK_ELEMENTS} in a block of the noise's "
+                        f"{attention.attention_tile(L, S)[0]}-row tiles" if prng.per_tile(impl) else "")
             raise ValueError(f"softmax=True takes rows of at most {_ROW_BLOCK_ELEMENTS // tiling.SUBLANES} scores"
-                             f"{hardware} (whole rows per block, in VMEM), got weights of {L} x {S}")
+                             f"{per_tile} (whole rows per block, in VMEM), got weights of {L} x {S}")
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
@@ -123,7 +122,7 @@ def _softmax(scores, dtype):
 def _dropped(static, keep, w):
     """The block of weights ``w`` dropped where ``keep`` is False, in their dtype, as
     :func:`dropout.dropout` writes them."""
-    return kept_values(keep, w, np.float32(1.0 - static.dropout_p)).astype(w.dtype)
+    return kept_values(keep, w, prng.keep_probability(static.impl, static.dropout_p)).astype(w.dtype)
 
 
 def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax):
@@ -153,7 +152,7 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
         weights: ``(*batch, L, S)`` float32, bfloat16 or float16.
         value: ``(*batch, S, Ev)`` of the weights' dtype.
         p: drop probability in [0, 1].
-        impl: ``"threefry"`` or ``"hardware"`` (compiled on TPU only).
+        impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
         blocks: rows of L (``q``) and of S (``kv``) per grid step (default: the attention
             forward kernel's; with ``softmax`` whole rows).
@@ -207,7 +206,7 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
 
     grad_out = grad_out_ref[...]
     keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
-    keep_probability = np.float32(1.0 - static.dropout_p)
+    keep_probability = prng.keep_probability(static.impl, static.dropout_p)
     # The gradient of the dropped weights, then dropout's backward pass on it: the same mask.
     grad_dropped = attention.matmul(grad_out, v_ref[...], not static.value_transposed)
     grad_w = kept_values(keep, grad_dropped, keep_probability)

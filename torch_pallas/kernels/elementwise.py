@@ -1,7 +1,7 @@
 """One Pallas driver for every elementwise op that consumes noise (sampling, dropout).
 
 It views the tensor as a 2-D matrix (:func:`tiling.view_2d`), resolves the blocks, pads the
-view to whole seed tiles for the hardware PRNG (:func:`tiling.hardware_tile`), and runs a
+view to whole seed tiles for the per-tile impls (:func:`tiling.hardware_tile`), and runs a
 kernel that, chunk by chunk, draws the chunk's random bits and writes
 ``transform(bits, *operand chunks)``.
 """
@@ -18,20 +18,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import calls, prng, tiling
+from torch_pallas.kernels import calls, compat, prng, tiling
 
 
 def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
-                  chunk_shape, column_major_grid):
+                  chunk_shape, column_major_grid, uniform_bits):
     offset_ref, refs = (refs[0], refs[1:]) if sharded else (None, refs)
     *operand_refs, out_ref = refs
     block_rows, block_cols = out_ref.shape
     chunk_rows, chunk_cols = chunk_shape
     base = None
     if sharded:
-        # A shard of a larger tensor: the global index of its first element (hardware: of
-        # its first tile) arrives as data, so one compiled kernel serves every shard.
-        if impl == prng.HARDWARE:
+        # A shard of a larger tensor: the global index of its first element (per-tile impls:
+        # of its first tile) arrives as data, so one compiled kernel serves every shard.
+        if prng.per_tile(impl):
             base = offset_ref[0]
         elif wide:
             base = (offset_ref[0].astype(jnp.uint32), offset_ref[1].astype(jnp.uint32))
@@ -55,14 +55,22 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
         rows, cols = pl.ds(row_offset, chunk_rows), pl.ds(col_offset, chunk_cols)
         if row_stride == 0:
             # Every row gets row 0's bits (a mask shared over the first dim): draw one row
-            # (one seed tile, whose first row it is, for the hardware PRNG).
-            drawn_rows = chunk_rows if impl == prng.HARDWARE else 1
+            # (one seed tile, whose first row it is, for the per-tile impls).
+            drawn_rows = chunk_rows if prng.per_tile(impl) else 1
             bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
-                                   view_cols, base, wide)
+                                   view_cols, base, wide, uniform_bits)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
+        elif impl == prng.TILED and compat.TILED_HASH_IN_PIECES:
+            def write(piece_rows, piece_cols, bits):
+                out_ref[piece_rows, piece_cols] = transform(
+                    bits, *(operand_ref[piece_rows, piece_cols] for operand_ref in operand_refs))
+            index = prng.tile_index(row0 + row_offset, col0 + col_offset, row_stride, chunk_shape)
+            _walk_tiled_tile(key_data_ref, index if base is None else index + base, chunk_shape, uniform_bits,
+                             row_offset, col_offset, write)
+            return
         else:
             bits = prng.chunk_bits(impl, key_data_ref, chunk_shape, row0 + row_offset, col0 + col_offset,
-                                   row_stride, base, wide)
+                                   row_stride, base, wide, uniform_bits)
         out_ref[rows, cols] = transform(bits, *(operand_ref[rows, cols] for operand_ref in operand_refs))
 
     # A loop, not Python unrolling, over the block's chunks: the kernel's code size stays
@@ -81,6 +89,31 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
         chunk(row_offset, col_offset)
         return carry
     jax.lax.fori_loop(0, num_chunks, step, 0)
+
+
+def _aligned(offset, multiple: int):
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _walk_tiled_tile(key_data_ref, tile_index, tile, uniform_bits, row_offset, col_offset, write):
+    """Draws one tile of the tiled impl (:func:`prng.tiled_tile_bits`) 8 rows of its hash grid at
+    a time, and calls ``write(rows, cols, bits)`` for the piece of each of its slabs they fill. The
+    hash's live values stay within a few vregs, which the older TPU compiler schedules better
+    (:data:`compat.TILED_HASH_IN_PIECES`)."""
+    parts, axis = prng.tiled_layout(tile, uniform_bits)
+    slab_rows, slab_cols = (tile[0] // parts, tile[1]) if axis == 0 else (tile[0], tile[1] // parts)
+
+    def piece(first):
+        slabs = prng.tiled_slabs(key_data_ref, tile_index, tile, uniform_bits, first, tiling.SUBLANES)
+        for part, bits in enumerate(slabs):
+            rows = row_offset + first + (part * slab_rows if axis == 0 else 0)
+            cols = col_offset + (part * slab_cols if axis == 1 else 0)
+            write(pl.ds(_aligned(rows, tiling.SUBLANES), tiling.SUBLANES), pl.ds(_aligned(cols, tiling.LANES), slab_cols),
+                  bits)
+
+    # Unrolled: as much code as hashing the whole tile at once, bounded by the tile's size.
+    for first in range(0, slab_rows, tiling.SUBLANES):
+        piece(first)
 
 
 def index_dims(shape, global_shape, shared_over_first_dim: bool = False) -> list[tuple[int, int]]:
@@ -120,14 +153,14 @@ def check_index_dims(shape, global_shape, shared_over_first_dim: bool = False) -
     return dims
 
 
-def hardware_view(shape, global_shape, shared_over_first_dim: bool = False
+def hardware_view(shape, global_shape, shared_over_first_dim: bool = False, impl: str = prng.HARDWARE
                   ) -> tuple[int, int, bool, int, tuple[int, int]]:
-    """``(rows, cols, shared_row, global_cols, seed_tile)`` for ``impl="hardware"``: the 2-D
+    """``(rows, cols, shared_row, global_cols, seed_tile)`` for a per-tile ``impl`` (hardware, tiled): the 2-D
     view of a tensor of ``shape``, a shard of ``global_shape`` (or all of it), whether every
     row draws the first row's noise, the width of the whole tensor's view, and the tile the
-    PRNG is seeded per.
+    noise is drawn per.
 
-    The hardware PRNG is seeded per tile (:func:`tiling.hardware_tile`) of the whole tensor's
+    The noise is drawn per tile (:func:`tiling.hardware_tile`) of the whole tensor's
     view, padded to whole tiles: the elements of ``global_shape[1:]`` in one row for a mask
     shared over the first dim, else :func:`tiling.view_2d` of ``global_shape``. A shard draws
     its part of that noise when it is whole tiles of that view: a contiguous run of whole
@@ -146,8 +179,8 @@ def hardware_view(shape, global_shape, shared_over_first_dim: bool = False
     band = global_cols * seed_tile[0] if numel > global_cols else seed_tile[1]
     if len(part) != 1 or (part[0] != numel and part[0] % band):
         raise ValueError(
-            f'impl="hardware" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
-            f"its noise is seeded per {seed_tile} tile of the whole tensor's "
+            f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
+            f"its noise is drawn per {seed_tile} tile of the whole tensor's "
             f"{numel // global_cols}x{global_cols} view, so a shard must be a contiguous run of "
             f"{band}-element bands of it (split the first dims only, in whole bands); "
             f'use impl="threefry" (the default)')
@@ -192,7 +225,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
               shared_over_first_dim: bool = False, global_shape=None,
               shard_offset: jax.Array | None = None, name: str = "noise",
-              element_cost: tuple[int, int] = (0, 0)) -> jax.Array:
+              element_cost: tuple[int, int] = (0, 0), uniform_bits: int = 32) -> jax.Array:
     """``transform(bits, *operands)`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
@@ -219,28 +252,30 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
         name: the kernel's name for XLA (:func:`calls.kernel_name` adds ``impl`` and the blocks).
         element_cost: ``transform``'s flops and transcendentals per element, for the kernel's
             cost estimate (the noise's own work is added).
+        uniform_bits: how many top bits of each element's bits ``transform`` reads: 32, or
+            :data:`prng.DROPOUT_BITS` (the tiled impl then fills four elements per hash).
 
     Raises:
-        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode or on a shard
-            that is not whole tiles of the whole tensor's view (:func:`hardware_view`), a
+        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, a per-tile impl on a
+            shard that is not whole tiles of the whole tensor's view (:func:`hardware_view`), a
             shard that is split along more than two dims besides the first, a
             ``shard_offset`` of another shape, a 2-D view with a dim of 2**31 or more
             (Pallas numbers blocks with int32), or blocks that
             :func:`tiling.resolve_elementwise` rejects.
     """
     prng.check_can_run(impl, interpret)
-    hardware = impl == prng.HARDWARE
+    per_tile = prng.per_tile(impl)
     sharded = global_shape is not None
     if sharded and tuple(shard_offset.shape) != (2,):
         raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
                          f"got {tuple(shard_offset.shape)}")
     # The counters' high words are 0 unless an index reaches 2**32: then they are computed.
-    wide = not hardware and index_count(global_shape if sharded else shape, shared_over_first_dim) > 2**32
+    wide = not per_tile and index_count(global_shape if sharded else shape, shared_over_first_dim) > 2**32
     outer, outer_stride = 1, None
     seed_tile = None
-    if hardware:
+    if per_tile:
         rows, cols, shared_row, global_cols, seed_tile = hardware_view(
-            shape, global_shape if sharded else shape, shared_over_first_dim)
+            shape, global_shape if sharded else shape, shared_over_first_dim, impl)
         # Per-tile seeding needs whole tiles: the columns are padded to them (computed and sliced
         # off); the last tile row may be cut, its blocks reaching past the view (their rows there
         # drawn and dropped), so no copy pads the rows. A shared row's view rows are the first
@@ -283,13 +318,13 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     view_shape = (view_rows, view_cols) if outer_stride is None else (outer, view_rows, view_cols)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     in_specs = [smem]
-    arguments = [prng.hardware_key_data(key_data) if hardware else key_data]
+    arguments = [prng.key_words(key_data, impl)]
     if sharded:
         in_specs.append(smem)
         arguments.append(shard_offset)
     for operand in operands:
-        operand = operand.reshape(view_shape if not hardware else (rows, cols))
-        if hardware and (view_rows, view_cols) != (rows, cols):
+        operand = operand.reshape(view_shape if not per_tile else (rows, cols))
+        if per_tile and (view_rows, view_cols) != (rows, cols):
             operand = jnp.pad(operand, ((0, view_rows - rows), (0, view_cols - cols)))
         in_specs.append(block_spec)
         arguments.append(operand)
@@ -297,17 +332,17 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     chunk_shape = tiling.chunk_shape(blocks, interpret=interpret, seed_tile=seed_tile)
     elements = math.prod(view_shape)
     # A mask shared over the first dim draws threefry bits for one row of each chunk.
-    drawn = elements // chunk_shape[0] if row_stride == 0 and not hardware else elements
+    drawn = elements // chunk_shape[0] if row_stride == 0 and not per_tile else elements
     flops, transcendentals = element_cost
     cost = calls.cost_estimate(bytes_accessed=calls.nbytes(*arguments, out_shape),
-                               flops=drawn * prng.NOISE_OPS[impl] + elements * flops,
+                               flops=drawn * prng.noise_ops(impl, uniform_bits) + elements * flops,
                                transcendentals=elements * transcendentals)
     name = calls.kernel_name(name, impl, "columns" if blocks.column_major_grid else "",
                              blocks=(blocks.rows, blocks.cols))
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
         outer_stride=outer_stride, sharded=sharded, wide=wide, column_major_grid=blocks.column_major_grid,
-        chunk_shape=chunk_shape)
+        chunk_shape=chunk_shape, uniform_bits=uniform_bits)
     out = calls.pallas_call(
         kernel,
         name=name,

@@ -22,6 +22,14 @@ Two generators, chosen by ``impl``:
     same for every block made of whole tiles, and what a JAX user's ``sample_block`` draws
     with that tile on the same TPU. TPU only; not threefry's bits.
 
+``"tiled"``
+    The hardware impl's tiles, each filled by Threefry-2x32 with 13 rounds
+    (:func:`tiled_tile_bits`) in plain uint32 ``jnp`` operations: the same tile structure
+    (block invariance, tile numbering, shards), and the same bits in interpret mode on CPU and
+    compiled on every TPU generation. One hash gives 64 bits, which fill two elements with 32
+    bits each (sampling), or four with 16 (dropout's keep test, :data:`DROPOUT_BITS`): about a
+    fifth of threefry's work per element of a mask. Not ``jax.random``'s bits.
+
 Everything here runs inside a kernel body. Key data arrives as two int32 words in SMEM (the
 form it crosses the torch/JAX boundary in) and is reinterpreted as uint32 here.
 """
@@ -36,18 +44,29 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments
+from torch_pallas.kernels import arguments, tiling
 
 THREEFRY = "threefry"
 HARDWARE = "hardware"
-IMPLS = (THREEFRY, HARDWARE)
+TILED = "tiled"
+IMPLS = (THREEFRY, HARDWARE, TILED)
+# The impls whose noise is drawn per tile of the 2-D view (tiling.hardware_tile, and per batch
+# plane attention.attention_tile): kernels walk blocks of whole tiles for both.
+PER_TILE_IMPLS = (HARDWARE, TILED)
+# Bits of each element's uniform that dropout's keep test reads: the tiled impl then packs four
+# elements in one 64-bit hash, and ``p`` takes steps of 2**-16 (:func:`drop_threshold`). The
+# other impls draw 32 bits an element whatever the consumer reads.
+DROPOUT_BITS = 16
+TILED_ROUNDS = 13
 # Each generator's work per element of noise, integer work that kernels count as flops in
 # their cost estimates (XLA's cost analysis counts every elementwise op, integer ones too, as
 # a flop): threefry's 20 rounds of an add, a rotation (two shifts and an or) and a xor, its 5
 # key injections of two adds, the counter and the final xor, 113 (what XLA counts for the same
 # jnp ops outside a kernel); the hardware PRNG's one instruction per vreg of bits, 1 (a tile's
-# seeding is scalar work).
-NOISE_OPS = {THREEFRY: 113, HARDWARE: 1}
+# seeding is scalar work); the tiled impl's hash (13 rounds, 3 injections, its counter) shared by
+# the elements one hash fills, plus the shifts that place 16-bit uniforms.
+_NOISE_OPS = {THREEFRY: 113, HARDWARE: 1}
+_TILED_HASH_OPS = 5 * TILED_ROUNDS + 2 * (TILED_ROUNDS // 4) + 3
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_SCHEDULE_PARITY = np.uint32(0x1BD11BDA)
@@ -56,6 +75,20 @@ _FLOAT32_ONE_BITS = np.uint32(0x3F800000)
 
 def check_impl(impl: str, name: str = "impl") -> str:
     return arguments.check_one_of(name, impl, IMPLS)
+
+
+def per_tile(impl: str) -> bool:
+    """Whether ``impl`` draws its noise per tile (:data:`PER_TILE_IMPLS`)."""
+    return impl in PER_TILE_IMPLS
+
+
+def noise_ops(impl: str, uniform_bits: int = 32) -> int:
+    """Integer ops per element of noise of ``impl`` whose consumer reads ``uniform_bits`` bits
+    of it, for the kernels' cost estimates (the tiled impl's full four- or two-part layout)."""
+    if impl != TILED:
+        return _NOISE_OPS[impl]
+    per_hash = 64 // uniform_bits
+    return math.ceil((_TILED_HASH_OPS + (per_hash // 2 if uniform_bits < 32 else 0)) / per_hash)
 
 
 def check_can_run(impl: str, interpret: bool) -> None:
@@ -77,24 +110,26 @@ def _rotate_left(x: jax.Array, distance: int) -> jax.Array:
     return lax.shift_left(x, dtype(distance)) | lax.shift_right_logical(x, dtype(32 - distance))
 
 
-def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 with 20 rounds: the block cipher behind ``jax.random``'s default PRNG.
+def threefry2x32(k0, k1, x0, x1, rounds: int = 20) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 with ``rounds`` rounds (Random123's ``threefry2x32_R``): 20 is the block
+    cipher behind ``jax.random``'s default PRNG, 13 the tiled impl's.
 
-    ``k0, k1`` are uint32 key words (scalars), ``x0, x1`` uint32 counter words (arrays).
-    Returns the two uint32 output words.
+    ``k0, k1`` are uint32 key words (scalars), ``x0, x1`` uint32 counter words (arrays, or
+    scalars). The key is injected after every fourth round. Returns the two uint32 output words.
     """
     k2 = k0 ^ k1 ^ _KEY_SCHEDULE_PARITY
     schedule = (k0, k1, k2)
     x0 = x0 + k0
     x1 = x1 + k1
-    for injection in range(5):
-        for rotation in _ROTATIONS[injection % 2]:
-            x0 = x0 + x1
-            x1 = _rotate_left(x1, rotation)
-            x1 = x0 ^ x1
-        x0 = x0 + schedule[(injection + 1) % 3]
-        # Grouped so that the constant joins the scalar key word: one vector add, not two.
-        x1 = x1 + (schedule[(injection + 2) % 3] + np.uint32(injection + 1))
+    for round_index in range(rounds):
+        x0 = x0 + x1
+        x1 = _rotate_left(x1, _ROTATIONS[round_index // 4 % 2][round_index % 4])
+        x1 = x0 ^ x1
+        if round_index % 4 == 3:
+            injection = round_index // 4 + 1
+            x0 = x0 + schedule[injection % 3]
+            # Grouped so that the constant joins the scalar key word: one vector add, not two.
+            x1 = x1 + (schedule[(injection + 1) % 3] + np.uint32(injection))
     return x0, x1
 
 
@@ -215,15 +250,98 @@ def hardware_tile_bits(hardware_key_ref, tile_index, tile: tuple[int, int]) -> j
     return pltpu.bitcast(pltpu.prng_random_bits(tile), jnp.uint32)
 
 
+def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, int]:
+    """``(parts, axis)``: how :func:`tiled_tile_bits` fills a ``tile`` from one grid of hashes,
+    a rule of the tile's shape alone (the one place it is stated).
+
+    One hash has two 32-bit words, so it fills ``parts`` = 2 elements with 32 bits, or 4 with
+    16 (``uniform_bits``). The tile is cut into ``parts`` equal slabs along ``axis``, rows (0)
+    where each slab is whole 8-row sublanes, else lanes (1) where each is whole 128-lane vregs,
+    so that placing them is a concatenation of whole vregs that Mosaic lays out; where neither
+    holds, half as many parts (two 16-bit parts take a word each), down to one part per hash
+    (its first word). The hash grid is one slab's shape.
+    """
+    rows, cols = tile
+    parts = 64 // uniform_bits
+    while parts > 1:
+        if rows % (tiling.SUBLANES * parts) == 0:
+            return parts, 0
+        if cols % (tiling.LANES * parts) == 0:
+            return parts, 1
+        parts //= 2
+    return 1, 0
+
+
+def _position_counter(grid: tuple[int, int], first_row: int = 0) -> jax.Array:
+    """uint32 row-major positions of the rows of a ``grid`` of hashes from ``first_row`` on (a
+    power-of-two width: a shift, as multiplies are emulated on v4)."""
+    rows, cols = (lax.broadcasted_iota(jnp.uint32, grid, d) for d in (0, 1))
+    if not isinstance(first_row, int) or first_row:
+        rows = rows + lax.convert_element_type(first_row, jnp.uint32)
+    width = grid[1]
+    if width & (width - 1) == 0:
+        return lax.shift_left(rows, np.uint32(width.bit_length() - 1)) | cols
+    return rows * np.uint32(width) + cols
+
+
+def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
+    """uint32 bits of one ``tile`` of the tiled impl: Threefry-2x32 with 13 rounds keyed by
+    the call's two threefry key words, whose counter is ``(tile_index, position)`` for each
+    position of the hash grid that :func:`tiled_layout` gives the tile. The grid's words fill
+    its slabs in order: for 32 bits (or two 16-bit parts) word 0 then word 1; for four 16-bit
+    parts word 0's low half, its high half, word 1's low half, its high half. An element's
+    uniform is the top ``uniform_bits`` of its bits (the low 16 of a 16-bit element's are not
+    random: ``bits >> 16`` is its uniform)."""
+    slabs = tiled_slabs(key_data_ref, tile_index, tile, uniform_bits)
+    return slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=tiled_layout(tile, uniform_bits)[1])
+
+
+def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32, first_row=0,
+                rows: int | None = None) -> tuple[jax.Array, ...]:
+    """The slabs :func:`tiled_tile_bits` concatenates, each cut to the hash grid's ``rows`` rows
+    from ``first_row`` (an int or a traced scalar; all of them by default): a kernel can walk a
+    tile a few rows of its grid at a time, each then giving a piece of each slab."""
+    k0, k1 = read_key(key_data_ref)
+    parts, axis = tiled_layout(tile, uniform_bits)
+    grid = list(tile)
+    grid[axis] //= parts
+    if rows is not None:
+        grid[0] = rows
+    # A tile index wraps modulo 2**32 as int32 arithmetic does; the conversion keeps its bits (as
+    # read_key's does: Mosaic bitcasts vectors only).
+    counter0 = lax.convert_element_type(tile_index, jnp.uint32)
+    y0, y1 = threefry2x32(k0, k1, counter0, _position_counter(tuple(grid), first_row), rounds=TILED_ROUNDS)
+    # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
+    # is there already.
+    sixteen = np.uint32(16)
+    return {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[parts]
+
+
+def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
+    """uint32 bits of one ``tile`` of a per-tile impl (:data:`PER_TILE_IMPLS`): ``key_data_ref``
+    holds :func:`hardware_key_data` for ``"hardware"``, the threefry key words for ``"tiled"``."""
+    if impl == HARDWARE:
+        return hardware_tile_bits(key_data_ref, tile_index, tile)
+    return tiled_tile_bits(key_data_ref, tile_index, tile, uniform_bits)
+
+
+def key_words(key_data: jax.Array, impl: str) -> jax.Array:
+    """The int32 (2,) key words a kernel of ``impl`` reads: :func:`hardware_key_data` for the
+    hardware PRNG, the threefry key data itself otherwise. Computed outside the kernel."""
+    return hardware_key_data(key_data) if impl == HARDWARE else key_data
+
+
 def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None,
-               wide: bool = False) -> jax.Array:
+               wide: bool = False, uniform_bits: int = 32) -> jax.Array:
     """uint32 random bits for the (rows, cols) chunk at position (row0, col0) of a 2-D view.
 
     ``row_stride`` and ``base``: see :func:`block_flat_index`, or with ``wide`` (a tensor
     whose indices reach 2**32) :func:`block_counter`. For ``impl="hardware"`` the view is
     padded to whole tiles, ``row_stride`` its width, the chunk one tile (the seed tile) at a
     tile's position, ``base`` (int32) the index of the view's first tile in the whole
-    tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`.
+    tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`; the same for
+    ``impl="tiled"`` with the key words themselves, whose tiles hold ``uniform_bits``-bit
+    uniforms (:func:`tiled_tile_bits`).
     """
     if impl == THREEFRY:
         k0, k1 = read_key(key_data_ref)
@@ -232,7 +350,7 @@ def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int
             return threefry_bits(k0, k1, low, high)
         return threefry_bits(k0, k1, block_flat_index(chunk_shape, row0, col0, row_stride, base))
     index = tile_index(row0, col0, row_stride, chunk_shape)
-    return hardware_tile_bits(key_data_ref, index if base is None else index + base, chunk_shape)
+    return tile_bits(impl, key_data_ref, index if base is None else index + base, chunk_shape, uniform_bits)
 
 
 def unit_uniform(bits: jax.Array, dtype) -> jax.Array:
@@ -294,3 +412,32 @@ def bernoulli_from_bits(bits: jax.Array, probability_of_true) -> jax.Array:
     if threshold >= 2**23:  # every uniform is below 1
         return jnp.ones(bits.shape, jnp.bool_)
     return bits < np.uint32(threshold << 9)
+
+
+def drop_threshold(p: float) -> int:
+    """The tiled impl's dropout threshold ``t``, ``p * 2**16`` rounded to the nearest integer
+    (halves up): an element is dropped where its 16-bit uniform is below ``t``, so ``p`` takes
+    steps of 2**-16, ``p == 0`` keeps every element and ``p == 1`` none."""
+    return math.floor(p * 2**DROPOUT_BITS + 0.5)
+
+
+def keep_probability(impl: str, p: float) -> np.float32:
+    """The probability that dropout of ``impl`` keeps an element, which the kept values are
+    divided by so that the output is unbiased: ``float32(1 - p)`` (the threshold
+    ``jax.random.bernoulli`` computes), or for ``impl="tiled"`` the keep probability its
+    16-bit threshold actually gives, ``(2**16 - t) / 2**16`` (exact in float32)."""
+    if impl == TILED:
+        return np.float32((2**DROPOUT_BITS - drop_threshold(p)) / 2**DROPOUT_BITS)
+    return np.float32(1.0 - p)
+
+
+def kept(impl: str, bits: jax.Array, keep_probability) -> jax.Array:
+    """bool: where dropout of ``impl`` with :func:`keep_probability` ``keep_probability`` keeps
+    an element, from its bits (for ``impl="tiled"`` drawn with :data:`DROPOUT_BITS`: kept where
+    its uniform ``bits >> 16`` is at least ``t``, tested as ``bits >= t << 16`` in one op)."""
+    if impl != TILED:
+        return bernoulli_from_bits(bits, keep_probability)
+    threshold = 2**DROPOUT_BITS - round(float(keep_probability) * 2**DROPOUT_BITS)
+    if threshold == 2**DROPOUT_BITS:
+        return jnp.zeros(bits.shape, jnp.bool_)
+    return bits >= np.uint32(threshold << (32 - DROPOUT_BITS))

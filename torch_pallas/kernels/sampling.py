@@ -3,7 +3,9 @@
 With ``impl="threefry"`` the result is bit for bit ``jax.random.uniform / normal /
 bernoulli(key, shape)`` for the key whose data is ``key_data``, for every block shape and
 grid order. With ``impl="hardware"`` (TPU only) it is the TPU PRNG's per-tile noise, the same
-for every block made of whole tiles.
+for every block made of whole tiles; with ``impl="tiled"`` the same tiles filled by
+:func:`prng.tiled_tile_bits` with 32 bits an element (two elements per hash), converted as
+threefry's bits are.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
         distribution: ``"uniform"`` ([0, 1)), ``"normal"`` (standard) or ``"bernoulli"``.
         dtype: floating output dtype for uniform and normal (bernoulli returns bool).
         p: probability of True for bernoulli, drawn as ``uniform(float32) < float32(p)``.
-        impl: ``"threefry"`` or ``"hardware"`` (TPU only; not with ``interpret``).
+        impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (TPU only; not with ``interpret``).
         interpret: run Pallas in interpret mode (any non-TPU backend).
         blocks: blocks of the 2-D view; default chosen per shape and mode. The numbers do
             not depend on it.

@@ -162,7 +162,7 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
     """``blocks`` checked against a ``(rows, cols)`` view, or the default for it.
 
     Default: few large blocks in interpret mode; about 1 MiB per operand block on TPU
-    (double-buffered in and out: 4 MiB of VMEM). ``seed_tile`` (the hardware PRNG's tile;
+    (double-buffered in and out: 4 MiB of VMEM). ``seed_tile`` (the per-tile impls' tile;
     the view is then whole tiles of columns, and its last tile row may be cut) requires
     blocks made of whole tiles, at most the view's rows rounded up to whole tiles: the last
     block may reach past the view (Pallas reads its rows there as padding and drops their
@@ -181,8 +181,8 @@ def resolve_elementwise(blocks: ElementwiseBlocks | None, rows: int, cols: int, 
     full = (rows, cols) if seed_tile is None else (round_up(rows, seed_tile[0]), round_up(cols, seed_tile[1]))
     block_rows, block_cols = _mosaic_block((blocks.rows, blocks.cols), full, "blocks")
     if seed_tile is not None and (block_rows % seed_tile[0] or block_cols % seed_tile[1]):
-        raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {seed_tile} tiles for impl='hardware', "
-                         f"the tile its PRNG is seeded per over this {rows}x{cols} view")
+        raise ValueError(f"blocks ({block_rows}, {block_cols}) must be whole {seed_tile} tiles for impl='hardware' and "
+                         f"'tiled', the tile their noise is drawn per over this {rows}x{cols} view")
     return dataclasses.replace(blocks, rows=block_rows, cols=block_cols)
 
 
@@ -212,7 +212,7 @@ def chunk_shape(blocks: ElementwiseBlocks, *, interpret: bool,
     """What an elementwise kernel body processes at a time: the whole block in interpret
     mode; on TPU a few vregs, so that the threefry rounds' live values stay in registers
     (a (1, 262144) chunk spilled 24 MiB and overflowed v4's VMEM); one ``seed_tile`` for the
-    hardware PRNG, which is seeded per tile."""
+    per-tile impls (hardware, tiled), whose noise is drawn per tile."""
     if seed_tile is not None:
         return seed_tile
     if interpret:

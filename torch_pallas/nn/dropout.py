@@ -55,8 +55,8 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         inplace (bool): write the result into the input and return it, as
             :class:`torch.nn.Dropout` does (the gradient still flows through the mask).
             Default: ``False``.
-        impl (str, optional): the noise generator, ``"threefry"`` or ``"hardware"`` (TPU
-            only) (:ref:`noise generators <noise-impls>`); default
+        impl (str, optional): the noise generator, ``"threefry"``, ``"tiled"`` or
+            ``"hardware"`` (TPU only) (:ref:`noise generators <noise-impls>`); default
             :func:`torch_pallas.random.get_default_impl`, read at each call.
         mesh, partition_spec: in SPMD mode, how the input is sharded (as ``xs.mark_sharding``
             takes them; a ``jax.sharding.Mesh`` on torchax), resolved when the module is
