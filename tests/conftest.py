@@ -60,7 +60,17 @@ else:
     collect_ignore += ["kernels"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the slow tier: tests marked slow (long; their checks are covered faster elsewhere)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--slow"):
+        slow = pytest.mark.skip(reason="the slow tier (covered faster elsewhere): ./dev test --slow runs it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if ON_TPU:
         return
     where = ("a TPU VM (TorchTPU finds no TPU here)" if STACK == "torchtpu"

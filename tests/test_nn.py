@@ -338,7 +338,10 @@ def test_indrnn_rejects_an_empty_sequence_and_accepts_an_empty_batch_as_nn_rnn(b
     assert output.shape == theirs.shape and h_n.shape == their_h_n.shape
 
 
-@pytest.mark.parametrize("options", [dict(), dict(num_layers=2, bidirectional=True, nonlinearity="tanh")],
+# Two bidirectional layers compile a kernel pair per direction, layer and length: slow
+# (./dev test --slow runs it); the one-layer case is in the default run.
+@pytest.mark.parametrize("options", [dict(), pytest.param(dict(num_layers=2, bidirectional=True, nonlinearity="tanh"),
+                                                          marks=pytest.mark.slow)],
                          ids=["one layer", "two bidirectional layers"])
 def test_indrnn_module_on_a_packed_batch_equals_each_sequence_run_alone(options):
     """As nn.RNN: each sequence stops at its own length, h_n is its last state, the reverse

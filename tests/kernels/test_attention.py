@@ -155,6 +155,9 @@ def test_hardware_mask_is_the_same_for_every_block_of_whole_tiles(emulated_hardw
     np.testing.assert_array_equal(masks[0], hardware_keep((B, L, S), 0.3))
 
 
+# Slow (./dev test --slow runs it): the per-tile path with differing blocks is in the default run with the
+# tiled impl's bits (tests/kernels/test_tiled.py), the values and gradients with threefry's.
+@pytest.mark.slow
 def test_hardware_forward_and_backward_with_different_blocks_match_the_reference(emulated_hardware_prng):
     assert attention.attention_tile(264, 300) == (8, 128)
     check((1, 2, 264, 16), (1, 2, 300, 16), (1, 2, 300, 16), dropout_p=0.2, impl="hardware",

@@ -63,6 +63,9 @@ def test_16_bit_dtypes(dtype, rtol):
     _check((2, 32, 256), 64, dtype=dtype, rtol=rtol)
 
 
+# Slow (./dev test --slow runs it): the per-tile mask forward and backward is in the default run with the
+# tiled impl's bits (tests/kernels/test_tiled.py), the values and gradients with threefry's.
+@pytest.mark.slow
 def test_hardware_matches_the_reference_with_the_attention_kernels_mask(emulated_hardware_prng):
     _check((1, 264, 300), 16, impl="hardware", backward_blocks=Blocks(8, 512))
     _check((1, 40, 300), 16, impl="hardware", backward_blocks=Blocks(40, 128))  # one row of tiles

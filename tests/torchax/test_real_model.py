@@ -68,7 +68,6 @@ def test_every_dropout_and_the_attention_run_in_torch_pallas_kernels(monkeypatch
     assert kernels.count(dropout_kernels.dropout) == 2 * (1 + 2 * layers), kernels
 
 
-@pytest.mark.slow
 @pytest.mark.tpu_compile
 @NEEDS_LIBTPU
 @pytest.mark.skipif(ON_TPU, reason="on a TPU the kernels are Mosaic kernels anyway and the step runs for real")
