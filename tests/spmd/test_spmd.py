@@ -35,13 +35,12 @@ def spec_of(tensor):
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
 
 
-# Partition specs of a 2-D and a 3-D tensor over each mesh: every dim, both dims, replicated dims.
+# Partition specs of a 2-D and a 3-D tensor, one of each kind: the first dim, the last, both (mesh
+# axes swapped), a dim replicated over a mesh axis, a middle dim, two mesh axes on one dim.
 CASES = [
-    ("4x1", (16, 512), ("data", None)), ("1x4", (16, 512), (None, "model")), ("2x2", (16, 512), ("data", "model")),
-    ("2x2", (16, 512), ("model", "data")), ("2x2", (16, 512), (None, "model")),
-    ("4x1", (8, 4, 256), (None, "data", None)), ("1x4", (8, 4, 256), (None, None, "model")),
-    ("2x2", (8, 4, 256), ("data", None, "model")), ("2x2", (8, 4, 256), (None, "data", "model")),
-    ("2x2", (8, 4, 256), (("data", "model"), None, None)),
+    ("4x1", (16, 512), ("data", None)), ("1x4", (16, 512), (None, "model")), ("2x2", (16, 512), ("model", "data")),
+    ("2x2", (16, 512), (None, "model")), ("2x2", (8, 4, 256), ("data", None, "model")),
+    ("2x2", (8, 4, 256), (None, "data", "model")), ("2x2", (8, 4, 256), (("data", "model"), None, None)),
 ]
 IDS = [f"{mesh}-{'x'.join(map(str, shape))}-{spec}" for mesh, shape, spec in CASES]
 
@@ -78,7 +77,7 @@ def test_tiled_dropout_on_shards_of_whole_tile_bands_is_the_unsharded_one(mesh, 
 
 
 @pytest.mark.parametrize("distribution", ["uniform", "normal", "bernoulli"])
-@pytest.mark.parametrize("mesh,shape,spec", CASES[2:3] + CASES[7:8], ids=IDS[2:3] + IDS[7:8])
+@pytest.mark.parametrize("mesh,shape,spec", CASES[2:3] + CASES[4:5], ids=IDS[2:3] + IDS[4:5])
 def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution, mesh, shape, spec):
     sample = getattr(torch_pallas.random, distribution)
     out = sample(shape, seed=11, mesh=mesh_of(mesh), partition_spec=spec)
@@ -101,9 +100,9 @@ def test_dropout_forward_and_backward_run_per_shard_without_all_gather():
 
 
 # (mesh, x's partition spec, the weight's): a weight sharded over the batch's axis is FSDP's.
+# Batch, features, both, and the weight sharded too.
 INDRNN_CASES = [("4x1", (None, "data", None), None), ("1x4", (None, None, "model"), None),
-                ("2x2", (None, "data", "model"), None), ("2x2", (None, ("data", "model"), None), None),
-                ("4x1", (None, "data", None), ("data",))]
+                ("2x2", (None, "data", "model"), None), ("4x1", (None, "data", None), ("data",))]
 
 
 @pytest.mark.parametrize("mesh,spec,weight_spec", INDRNN_CASES, ids=[f"{m}-{s}-{w}" for m, s, w in INDRNN_CASES])
