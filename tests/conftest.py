@@ -14,6 +14,12 @@ if os.environ["PJRT_DEVICE"] != "TPU":
     # Off TPU, libtpu is only the compiler of the TPU-compile tier: let a second process
     # (a parallel run, a subprocess test) load it too instead of failing on its lock file.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # XLA's CPU compiles are most of the suite's time (a kernel in interpret mode is a large
+    # loop program): with LLVM's optimizations off, a third of the CPU time for the same tests
+    # and results (the noise is integer work; float results are compared with tolerances that
+    # hold at either level). The benchmarks (bench/) keep XLA's default.
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     if importlib.util.find_spec("torch_xla") is None:
         # torchax's JAX would otherwise try libtpu's TPU backend first (torch_xla's CPU
         # client keeps JAX on the CPU itself: torch_pallas.frontends.xla).
