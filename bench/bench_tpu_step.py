@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -240,9 +241,10 @@ def versions() -> dict:
     return {name: metadata.version(name) for name in ("torch", "torchax", "jax", "libtpu", "transformers")}
 
 
-def measure(model, batch, variant: str, generations, known=None) -> list:
-    """One record per generation; a graph in ``known`` (``{(digest, generation): record}``) takes
-    that record's figures, with ``same_graph_as`` naming it, instead of compiling again."""
+def measure(model, batch, variant: str, generations, known=None):
+    """Yields one record per generation as it is compiled; a graph in ``known`` (``{(digest,
+    generation): record}``) takes that record's figures, with ``same_graph_as`` naming it,
+    instead of compiling again."""
     import jax
 
     from torch_pallas import tpu_compile, tpu_schedule
@@ -270,12 +272,11 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
         def compile_for(generation):
             return tpu_compile.compile_graph(outputs, generation)
     digest = graph_digest(text)
-    records = []
     for generation in generations:
         same = (known or {}).get((digest, generation))
         if same is not None:
-            records.append({**{k: v for k, v in same.items() if k not in _NAMING}, "variant": variant,
-                            "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"})
+            yield {**{k: v for k, v in same.items() if k not in _NAMING}, "variant": variant,
+                   "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"}
             continue
         with tpu_compile.compiler_dumps() as dumps:
             compiled = compile_for(generation)
@@ -283,7 +284,8 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
             estimate, unestimated = tpu_schedule.estimate(dumps, generation), None
         except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level; TPU7x)
             estimate, unestimated = None, str(error)
-        records.append({
+        print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
+        yield {
             "variant": variant, "generation": generation, "compile_s": compiled.seconds,
             "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops, "tpu_custom_calls": kernels,
@@ -291,12 +293,10 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
             "unestimated": unestimated, digest_name: digest, "commit": commit(), **extra,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]],
-            **(estimate and breakdown(estimate) or {})})
-        print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
+            **(estimate and breakdown(estimate) or {})}
     # The CPU client cannot run these graphs: drop them before anything syncs.
     del outputs, compile_for
     model.zero_grad(set_to_none=True)
-    return records
 
 
 def breakdown(estimate) -> dict:
@@ -341,27 +341,39 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
             for variant in variants:
                 if attention == "torch_pallas" and variant not in ROUTED_VARIANTS:
                     continue  # its attention dropout is torch_pallas's whatever the variant
-                measured = [{**base, **r} for r in measure(model, batch, variant, generations, known)]
-                known.update({_graph_key(r): r for r in measured if "same_graph_as" not in r})
-                records += measured
-                save(records)  # a long run keeps what it measured if a later variant fails or is stopped
+                for record in measure(model, batch, variant, generations, known):
+                    records.append({**base, **record})
+                    if "same_graph_as" not in record:
+                        known[_graph_key(records[-1])] = records[-1]
+                    save(records)  # a long run keeps what it measured if a later compile fails or is stopped
             del model, batch
     return records
 
 
 def save(records: list) -> str:
-    """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table."""
-    records = merged(records)
-    table = render(records)
-    # The header names the xla stack, whose rows most are; torchax rows name their packages themselves.
-    header = json.loads(PATH.read_text())["machine"] if stack() == "torchax" and PATH.exists() else None
-    write("tpu_step", {"mode": "compile only", "results": records}, table, None, header)
+    """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table.
+    Runs side by side (other ``--models`` or ``--generations``) each keep the others' rows: the
+    results are read and written under a lock."""
+    PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(PATH, "a") as lock:  # the file itself: write() rewrites it in place, the lock's inode
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = merged(records)
+        table = render(records)
+        # The header names the xla stack, whose rows most are; torchax rows name their packages themselves.
+        header = _committed().get("machine") if stack() == "torchax" else None
+        write("tpu_step", {"mode": "compile only", "results": records}, table, None, header)
     return table
+
+
+def _committed() -> dict:
+    """results/tpu_step.json as it is now ({} before the first run; save's lock creates it empty)."""
+    text = PATH.read_text() if PATH.exists() else ""
+    return json.loads(text) if text.strip() else {}
 
 
 def merged(records: list) -> list:
     """``records`` over the committed results: a partial run replaces only its own rows."""
-    old = json.loads(PATH.read_text()).get("results", []) if PATH.exists() else []
+    old = _committed().get("results", [])
     new = {_key(r): r for r in records}
     return [r for r in old if "model" in r and _key(r) not in new] + records
 
@@ -410,7 +422,8 @@ def render(records: list) -> str:
         "residual adds and eager attention's products of dropped weights and values fused (`route_dropout(impl=..., "
         "fuse_residual=True, fuse_matmul=True)`); each ratio cell is peak HBM (`peak_memory_in_bytes`) / estimated "
         "step time (`GraphCompilation.estimate`) as ratios to torch's (below 1.0x: less than torch's); "
-        "`no dropout`: the model in eval mode; kernels: the Mosaic custom calls in the torch_pallas step. Attention `torch_pallas`: the model built with "
+        "`no dropout`: the model in eval mode; kernels: the Mosaic custom calls in the torch_pallas step. "
+        "Attention `torch_pallas`: the model built with "
         "`attn_implementation=\"torch_pallas\"` (`register_attention()`: flash kernels, in-kernel dropout), its "
         "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements. Rows come "
         "from several runs (`--models`/`--variants`/`--generations` subsets), some side by side: compile-only "
