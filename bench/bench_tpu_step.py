@@ -479,21 +479,25 @@ def render_breakdown(records: list) -> str:
                     cells = [model_name, attention, place[2], variant.split()[-1], _ms(row["estimate_s"])]
                     for kind in ("kernel", "fusion"):
                         part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
-                        cells.append(f"{part['ops']}: {_ms(part['seconds'])} ({_ms(part['schedule_bound_s'])})")
-                    cells += [_ms(kinds.get("copy", {}).get("seconds", 0.0)), _ms(kinds["program"]["seconds"])]
+                        cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
+                    cells += [_us(kinds.get("copy", {}).get("seconds", 0.0)), _us(kinds["program"]["seconds"])]
                     rows.append(cells)
     if not rows:
         return ""
-    return ("\nWhere the estimated step time goes (ms), for the places measured with this breakdown: the Mosaic "
-            "kernels and XLA's fusions as count: time (the part of it in ops whose bundles take longer than their "
-            "HBM traffic, i.e. bound by their schedule, not their bytes), the async copies, and the top-level "
+    return ("\nWhere the estimated step time goes (step in ms, its parts in µs), for the places measured with this "
+            "breakdown: the Mosaic kernels and XLA's fusions as count: time (the part of it in ops whose bundles "
+            "take longer than their HBM traffic, i.e. bound by their schedule, not their bytes), the async copies, and the top-level "
             "program's own bundles (launching every op).\n\n" + markdown_table(
-                ["model", "attention", "generation", "variant", "step", "kernels", "fusions", "copies",
-                 "top-level program"], rows))
+                ["model", "attention", "generation", "variant", "step (ms)", "kernels: count: µs (schedule-bound)",
+                 "fusions: count: µs (schedule-bound)", "copies (µs)", "top-level program (µs)"], rows))
 
 
 def _ms(seconds):
     return "—" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _us(seconds):
+    return f"{seconds * 1e6:.0f}"
 
 
 def _ratio(value, reference):
