@@ -486,8 +486,8 @@ def render_breakdown(records: list) -> str:
         return ""
     return ("\nWhere the estimated step time goes (step in ms, its parts in µs), for the places measured with this "
             "breakdown: the Mosaic kernels and XLA's fusions as count: time (the part of it in ops whose bundles "
-            "take longer than their HBM traffic, i.e. bound by their schedule, not their bytes), the async copies, and the top-level "
-            "program's own bundles (launching every op).\n\n" + markdown_table(
+            "take longer than their HBM traffic, i.e. bound by their schedule, not their bytes), the async copies, "
+            "and the top-level program's own bundles (launching every op).\n\n" + markdown_table(
                 ["model", "attention", "generation", "variant", "step (ms)", "kernels: count: µs (schedule-bound)",
                  "fusions: count: µs (schedule-bound)", "copies (µs)", "top-level program (µs)"], rows))
 
