@@ -1,8 +1,10 @@
 """Whole training steps of transformers models compiled for TPU by libtpu, on a machine without a TPU.
 
-    ./dev bench --only tpu_step --full   # every model, attention, variant and generation (~75 minutes)
-    ./dev bench --only tpu_step          # GPT-2 for v5e (~6 minutes)
+    ./dev bench --only tpu_step --full   # every model, attention, variant and generation (hours on 2 cores)
+    ./dev bench --only tpu_step          # GPT-2 for v5e (tens of minutes on 2 cores)
     .venv/xla/bin/python bench/bench_tpu_step.py --models bert --generations v4   # any subset
+    .venv/xla/bin/python bench/bench_tpu_step.py --models gpt2-128 --attentions sdpa \
+        --variants "torch_pallas tiled" torch --generations v5e
     .venv/torchax/bin/python bench/bench_tpu_step.py --generations tpu7x          # the torchax stack
 Every run keeps the committed rows it did not redo (results/tpu_step.json).
 
@@ -10,11 +12,12 @@ One step (forward, loss, backward; outputs: the loss and every gradient) of GPT-
 LM), ViT (image classification) and T5 (sequence to sequence) at the sizes users train (GPT-2
 small, BERT-base, ViT-B/16, T5-base widths, with fewer layers than the released models where
 ``LAYERS`` says so: compile time on this machine grows with layers, the per-layer figures do not
-change), every dropout p=0.1, built four ways with the same weights:
+change), and GPT-2 and BERT again at 8 x 128 tokens (``gpt2-128``, ``bert-128``: short sequences,
+where fixed per-call costs weigh most), every dropout p=0.1, built five ways with the same weights:
 
-- ``torch_pallas threefry`` / ``torch_pallas hardware``: every dropout routed to torch_pallas,
-  residual adds and eager attention's products fused (``route_dropout(impl=...,
-  fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
+- ``torch_pallas threefry`` / ``torch_pallas hardware`` / ``torch_pallas tiled``: every dropout
+  routed to torch_pallas with that noise impl, residual adds and eager attention's products fused
+  (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
   custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
 - ``torch``: torch's own dropout (XLA draws each mask and keeps it for the backward pass);
 - ``no dropout``: the model in eval mode (every dropout the identity), the floor.
@@ -26,7 +29,8 @@ a JAX function of the parameters (:func:`step_function`) compiled by ``tpu_compi
 and ``torch`` is torchax's dropout (``jax.random`` bits drawn by XLA); its rows are kept apart.
 Reported: the compiler's peak HBM bytes, its cost analysis's bytes accessed, and the estimated
 step time (``tpu_schedule.estimate`` of the compile's dumps, as ``compile_graph(...,
-estimate=True)`` gives it; a program the estimate cannot count, or TPU7x's, is reported without
+estimate=True)`` gives it, with its time per kind of op and every kernel's schedule and HBM time: what
+a ratio above 1.0x comes from; a program the estimate cannot count, or TPU7x's, is reported without
 one, from the same compile). Nothing runs on a TPU: these are what the compiler plans, not
 measurements.
 """
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -46,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, commit, markdown_table, write  # noqa: E402
 
 P = 0.1
-VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch", "no dropout")
+VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled", "torch", "no dropout")
+ROUTED_VARIANTS = tuple(variant for variant in VARIANTS if variant.startswith("torch_pallas"))
 # transformers' own (``sdpa``, its default; ``eager``) and torch_pallas's flash kernels registered with its
 # AttentionInterface (``torch_pallas.register_attention()``), measured against ``eager`` with torch's dropout.
 ATTENTIONS = ("sdpa", "eager", "torch_pallas")
@@ -59,18 +66,18 @@ KEY_VALUE_TRANSPOSED = "10ca643"
 PATH = RESULTS / "tpu_step.json"
 
 
-def _gpt2(transformers, torch, attention, layers):
+def _gpt2(transformers, torch, attention, layers, tokens=1024):
     config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=layers, n_head=12,
                                      attn_pdrop=P, resid_pdrop=P, embd_pdrop=P, use_cache=False,
                                      attn_implementation=attention)
-    ids = torch.randint(0, config.vocab_size, (8, 1024))
+    ids = torch.randint(0, config.vocab_size, (8, tokens))
     return transformers.GPT2LMHeadModel(config), dict(input_ids=ids, labels=ids)
 
 
-def _bert(transformers, torch, attention, layers):
+def _bert(transformers, torch, attention, layers, tokens=512):
     config = transformers.BertConfig(num_hidden_layers=layers, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
                                      attn_implementation=attention)
-    ids = torch.randint(0, config.vocab_size, (8, 512))
+    ids = torch.randint(0, config.vocab_size, (8, tokens))
     return transformers.BertForMaskedLM(config), dict(input_ids=ids, labels=ids)
 
 
@@ -92,7 +99,9 @@ def _t5(transformers, torch, attention, layers):
 
 
 MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024 tokens, language-model loss", _gpt2),
+          "gpt2-128": ("GPT-2 small at 8 x 128 tokens", functools.partial(_gpt2, tokens=128)),
           "bert": ("BERT-base: width 768, 12 heads, 8 x 512 tokens, masked-LM loss on every token", _bert),
+          "bert-128": ("BERT-base at 8 x 128 tokens", functools.partial(_bert, tokens=128)),
           "vit": ("ViT-B/16: width 768, 12 heads, 32 images of 224 x 224, 1000 classes", _vit),
           "t5": ("T5-base widths: d_model 768, 12 heads, d_ff 3072, 8 x 512 input and 8 x 128 target tokens", _t5)}
 
@@ -146,7 +155,7 @@ def step_outputs(model, batch, variant: str) -> list:
     from torch_pallas import tpu_compile
 
     model.train(variant != "no dropout").zero_grad(set_to_none=True)
-    routed = variant.startswith("torch_pallas")
+    routed = variant in ROUTED_VARIANTS
     with tpu_compile.lowering_for_tpu(), (  # inside: impl="hardware" is accepted only while lowering for TPU
             torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True, fuse_matmul=True) if routed
             else contextlib.nullcontext()):
@@ -184,7 +193,7 @@ def step_function(model, batch, variant: str):
 
     env = torchax.default_env()
     model.train(variant != "no dropout")
-    routed, impl = variant.startswith("torch_pallas"), variant.split()[-1]
+    routed, impl = variant in ROUTED_VARIANTS, variant.split()[-1]
     jittable = interop.JittableModule(model)
 
     def loss_of(params, buffers, batch, key_data):  # torchax tensors
@@ -232,9 +241,10 @@ def versions() -> dict:
     return {name: metadata.version(name) for name in ("torch", "torchax", "jax", "libtpu", "transformers")}
 
 
-def measure(model, batch, variant: str, generations, known=None) -> list:
-    """One record per generation; a graph in ``known`` (``{(digest, generation): record}``) takes
-    that record's figures, with ``same_graph_as`` naming it, instead of compiling again."""
+def measure(model, batch, variant: str, generations, known=None):
+    """Yields one record per generation as it is compiled; a graph in ``known`` (``{(digest,
+    generation): record}``) takes that record's figures, with ``same_graph_as`` naming it,
+    instead of compiling again."""
     import jax
 
     from torch_pallas import tpu_compile, tpu_schedule
@@ -262,12 +272,11 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
         def compile_for(generation):
             return tpu_compile.compile_graph(outputs, generation)
     digest = graph_digest(text)
-    records = []
     for generation in generations:
         same = (known or {}).get((digest, generation))
         if same is not None:
-            records.append({**{k: v for k, v in same.items() if k not in _NAMING}, "variant": variant,
-                            "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"})
+            yield {**{k: v for k, v in same.items() if k not in _NAMING}, "variant": variant,
+                   "generation": generation, "same_graph_as": f"{same['model']} {same['attention']}"}
             continue
         with tpu_compile.compiler_dumps() as dumps:
             compiled = compile_for(generation)
@@ -275,19 +284,34 @@ def measure(model, batch, variant: str, generations, known=None) -> list:
             estimate, unestimated = tpu_schedule.estimate(dumps, generation), None
         except NotImplementedError as error:  # a program the estimate cannot count (a loop at top level; TPU7x)
             estimate, unestimated = None, str(error)
-        records.append({
+        print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
+        yield {
             "variant": variant, "generation": generation, "compile_s": compiled.seconds,
             "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops, "tpu_custom_calls": kernels,
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
             "unestimated": unestimated, digest_name: digest, "commit": commit(), **extra,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
-                                         for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]]})
-        print(variant, generation, f"{compiled.seconds:.0f} s", file=sys.stderr, flush=True)
+                                         for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]],
+            **(estimate and breakdown(estimate) or {})}
     # The CPU client cannot run these graphs: drop them before anything syncs.
     del outputs, compile_for
     model.zero_grad(set_to_none=True)
-    return records
+
+
+def breakdown(estimate) -> dict:
+    """Where an estimate's time goes: ``seconds_by_kind`` (the top-level program's own bundles, and
+    per kind of op, ``tpu_schedule.OpEstimate.kind``: how many, their time, and the parts of it
+    the schedule and HBM traffic bound) and ``kernel_ops`` (every Mosaic kernel: name, bundles,
+    schedule and HBM seconds), so a kernel bound by its schedule rather than its bytes shows."""
+    by_kind = {"program": {"ops": 1, "seconds": estimate.program_seconds}}
+    for op in estimate.ops:
+        kind = by_kind.setdefault(op.kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0, "hbm_bound_s": 0.0})
+        kind["ops"] += 1
+        kind["seconds"] += op.seconds
+        kind["schedule_bound_s" if op.schedule_seconds > op.hbm_seconds else "hbm_bound_s"] += op.seconds
+    kernels = [[op.name, op.bundles, op.schedule_seconds, op.hbm_seconds] for op in estimate.ops if op.kind == "kernel"]
+    return {"seconds_by_kind": by_kind, "kernel_ops": kernels}
 
 
 def _stack_of(record) -> str:
@@ -315,29 +339,41 @@ def measure_all(models, attentions, variants, generations, layers) -> list:
                 save(records)
                 continue
             for variant in variants:
-                if attention == "torch_pallas" and not variant.startswith("torch_pallas"):
+                if attention == "torch_pallas" and variant not in ROUTED_VARIANTS:
                     continue  # its attention dropout is torch_pallas's whatever the variant
-                measured = [{**base, **r} for r in measure(model, batch, variant, generations, known)]
-                known.update({_graph_key(r): r for r in measured if "same_graph_as" not in r})
-                records += measured
-                save(records)  # a long run keeps what it measured if a later variant fails or is stopped
+                for record in measure(model, batch, variant, generations, known):
+                    records.append({**base, **record})
+                    if "same_graph_as" not in record:
+                        known[_graph_key(records[-1])] = records[-1]
+                    save(records)  # a long run keeps what it measured if a later compile fails or is stopped
             del model, batch
     return records
 
 
 def save(records: list) -> str:
-    """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table."""
-    records = merged(records)
-    table = render(records)
-    # The header names the xla stack, whose rows most are; torchax rows name their packages themselves.
-    header = json.loads(PATH.read_text())["machine"] if stack() == "torchax" and PATH.exists() else None
-    write("tpu_step", {"mode": "compile only", "results": records}, table, None, header)
+    """Writes ``records`` over the committed results (results/tpu_step.{json,md}); returns the table.
+    Runs side by side (other ``--models`` or ``--generations``) each keep the others' rows: the
+    results are read and written under a lock."""
+    PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(PATH, "a") as lock:  # the file itself: write() rewrites it in place, the lock's inode
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = merged(records)
+        table = render(records)
+        # The header names the xla stack, whose rows most are; torchax rows name their packages themselves.
+        header = _committed().get("machine") if stack() == "torchax" else None
+        write("tpu_step", {"mode": "compile only", "results": records}, table, None, header)
     return table
+
+
+def _committed() -> dict:
+    """results/tpu_step.json as it is now ({} before the first run; save's lock creates it empty)."""
+    text = PATH.read_text() if PATH.exists() else ""
+    return json.loads(text) if text.strip() else {}
 
 
 def merged(records: list) -> list:
     """``records`` over the committed results: a partial run replaces only its own rows."""
-    old = json.loads(PATH.read_text()).get("results", []) if PATH.exists() else []
+    old = _committed().get("results", [])
     new = {_key(r): r for r in records}
     return [r for r in old if "model" in r and _key(r) not in new] + records
 
@@ -359,20 +395,20 @@ def render(records: list) -> str:
 
                 label = generation if stack_name == "xla" else f"{generation} ({stack_name})"
                 torch_row = find(REFERENCE_ATTENTION[attention], "torch")
-                own = find(attention, "torch_pallas threefry") or {}
+                own = next(filter(None, (find(attention, variant) for variant in ROUTED_VARIANTS)), {})
                 if torch_row is None or "unavailable" in torch_row or "unavailable" in own:
                     reason = own.get("unavailable") or (torch_row or {}).get("unavailable", "not measured")
-                    rows.append([model_name, attention, label, reason] + [""] * 5)
+                    rows.append([model_name, attention, label, reason] + [""] * (len(COLUMNS) - 4))
                     continue
                 cells = [model_name, attention, label, f"{torch_row['peak_bytes'] / 2**20:.0f}",
                          _ms(torch_row.get("estimate_s"))]
-                for variant in ("torch_pallas threefry", "torch_pallas hardware", "no dropout"):
+                for variant in (*ROUTED_VARIANTS, "no dropout"):
                     row = find(attention if variant != "no dropout" else REFERENCE_ATTENTION[attention], variant)
                     cells.append("—" if row is None or "unavailable" in row else
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
                                  + ("" if "commit" in row or variant == "no dropout" else " †"))
-                cells.append((own or find(attention, "torch_pallas hardware") or {}).get("tpu_custom_calls", "—"))
+                cells.append(own.get("tpu_custom_calls", "—"))
                 rows.append(cells)
     layers = sorted({r["layers"] for r in records})
     notes = (
@@ -381,11 +417,13 @@ def render(records: list) -> str:
         f"dropout p={P}, compiled whole for one chip of each generation by libtpu's compile-only client on this CPU "
         "machine (`torch_pallas.tpu_compile.compile_graph`; built under `tpu_compile.lowering_for_tpu()`, never run). "
         "Models: " + "; ".join(f"{name}: {text}" for name, (text, _) in MODELS.items()) + ". "
-        "`torch`: torch's dropout; the torch_pallas columns route every dropout and fuse residual adds and eager "
-        "attention's products of dropped weights and values (`route_dropout(impl=..., fuse_residual=True, "
-        "fuse_matmul=True)`), and give "
-        "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to torch's; "
-        "`no dropout`: the model in eval mode. Attention `torch_pallas`: the model built with "
+        "Columns: `torch`: torch's dropout, its peak HBM and estimated step time; `threefry`, `hardware`, `tiled`: "
+        "every dropout routed to torch_pallas with that noise impl (`impl=`, docs/noise.md), "
+        "residual adds and eager attention's products of dropped weights and values fused (`route_dropout(impl=..., "
+        "fuse_residual=True, fuse_matmul=True)`); each ratio cell is peak HBM (`peak_memory_in_bytes`) / estimated "
+        "step time (`GraphCompilation.estimate`) as ratios to torch's (below 1.0x: less than torch's); "
+        "`no dropout`: the model in eval mode; kernels: the Mosaic custom calls in the torch_pallas step. "
+        "Attention `torch_pallas`: the model built with "
         "`attn_implementation=\"torch_pallas\"` (`register_attention()`: flash kernels, in-kernel dropout), its "
         "ratios against eager attention with torch's dropout. Compiler estimates, not TPU measurements. Rows come "
         "from several runs (`--models`/`--variants`/`--generations` subsets), some side by side: compile-only "
@@ -415,13 +453,51 @@ def render(records: list) -> str:
     if same:
         notes += ("The same program (one HLO, `graph_digest`), so the same figures, not compiled again: "
                   + "; ".join(same) + ".\n\n")
-    return notes + markdown_table(
-        ["model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",
-         "threefry / torch", "hardware / torch", "no dropout / torch", "kernels (threefry)"], rows)
+    return notes + markdown_table(COLUMNS, rows) + render_breakdown(records)
+
+
+COLUMNS = ("model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",
+           *(f"{variant.split()[-1]} / torch: peak / step" for variant in ROUTED_VARIANTS),
+           "no dropout / torch: peak / step", "kernels")
+
+
+def render_breakdown(records: list) -> str:
+    """Where the estimated step time goes (:func:`breakdown`), for every place whose ``torch`` row
+    records it, each variant measured there beside it; "" when none does."""
+    by = {_key(r): r for r in records}
+    rows = []
+    for model_name in MODELS:
+        for attention in ATTENTIONS:
+            for torch_row in [r for r in records if r["model"] == model_name and r["variant"] == "torch"
+                              and r["attention"] == REFERENCE_ATTENTION[attention] and "seconds_by_kind" in r]:
+                place = model_name, attention, torch_row["generation"], _stack_of(torch_row)
+                for variant in ("torch", *ROUTED_VARIANTS):
+                    row = torch_row if variant == "torch" else by.get((*place[:2], variant, *place[2:]))
+                    if row is None or "seconds_by_kind" not in row:
+                        continue
+                    kinds = row["seconds_by_kind"]
+                    cells = [model_name, attention, place[2], variant.split()[-1], _ms(row["estimate_s"])]
+                    for kind in ("kernel", "fusion"):
+                        part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
+                        cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
+                    cells += [_us(kinds.get("copy", {}).get("seconds", 0.0)), _us(kinds["program"]["seconds"])]
+                    rows.append(cells)
+    if not rows:
+        return ""
+    return ("\nWhere the estimated step time goes (step in ms, its parts in µs), for the places measured with this "
+            "breakdown: the Mosaic kernels and XLA's fusions as count: time (the part of it in ops whose bundles "
+            "take longer than their HBM traffic, i.e. bound by their schedule, not their bytes), the async copies, "
+            "and the top-level program's own bundles (launching every op).\n\n" + markdown_table(
+                ["model", "attention", "generation", "variant", "step (ms)", "kernels: count: µs (schedule-bound)",
+                 "fusions: count: µs (schedule-bound)", "copies (µs)", "top-level program (µs)"], rows))
 
 
 def _ms(seconds):
     return "—" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _us(seconds):
+    return f"{seconds * 1e6:.0f}"
 
 
 def _ratio(value, reference):
