@@ -112,7 +112,7 @@ class Sharding:
         """
         shard_shape = self.shard_shape(shape, name)
         if prng.per_tile(impl):
-            elementwise.hardware_view(shard_shape, shape, shared_over_first_dim, impl)
+            elementwise.per_tile_view(shard_shape, shape, shared_over_first_dim, impl)
         elif impl is not None:
             elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
         return self.text

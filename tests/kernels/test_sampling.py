@@ -263,7 +263,7 @@ def test_per_tile_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_pr
                          ids=["columns", "half a band"])
 def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shape):
     with pytest.raises(ValueError, match=r"\(16, 1024\) tile of the whole tensor's 16x1024 view.*threefry"):
-        elementwise.hardware_view(shard, global_shape)
+        elementwise.per_tile_view(shard, global_shape)
 
 
 @pytest.mark.parametrize("shape,blocks", [((256, 1024), [Blocks(64, 1024), Blocks(128, 1024, True), Blocks(256, 1024)]),

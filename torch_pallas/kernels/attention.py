@@ -567,9 +567,9 @@ def kept_weights(static: _Static, key_ref, b, q_index, kv_index):
 
 
 def kept_scale(impl: str, dropout_p: float) -> np.float32:
-    """The factor of a kept weight, one over :func:`prng.keep_probability` (``1 / (1 - p)``
-    but for the tiled impl's rounding of ``p``); 0 where that keeps nothing."""
-    keep = float(prng.keep_probability(impl, dropout_p)) if impl == prng.TILED else 1.0 - dropout_p
+    """The factor of a kept weight, one over :func:`prng.keep_fraction` (``1 / (1 - p)`` but
+    for the tiled impl's rounding of ``p``); 0 where that keeps nothing."""
+    keep = prng.keep_fraction(impl, dropout_p)
     return np.float32(1.0 / keep if keep > 0 else 0.0)
 
 

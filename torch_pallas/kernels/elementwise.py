@@ -100,8 +100,8 @@ def _walk_tiled_tile(key_data_ref, tile_index, tile, uniform_bits, row_offset, c
     a time, and calls ``write(rows, cols, bits)`` for the piece of each of its slabs they fill. The
     hash's live values stay within a few vregs, which the older TPU compiler schedules better
     (:data:`compat.TILED_HASH_IN_PIECES`)."""
-    parts, axis = prng.tiled_layout(tile, uniform_bits)
-    slab_rows, slab_cols = (tile[0] // parts, tile[1]) if axis == 0 else (tile[0], tile[1] // parts)
+    axis = prng.tiled_layout(tile, uniform_bits)[1]
+    slab_rows, slab_cols = prng.tiled_grid(tile, uniform_bits)
 
     def piece(first):
         slabs = prng.tiled_slabs(key_data_ref, tile_index, tile, uniform_bits, first, tiling.SUBLANES)
@@ -153,7 +153,7 @@ def check_index_dims(shape, global_shape, shared_over_first_dim: bool = False) -
     return dims
 
 
-def hardware_view(shape, global_shape, shared_over_first_dim: bool = False, impl: str = prng.HARDWARE
+def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl: str = prng.HARDWARE
                   ) -> tuple[int, int, bool, int, tuple[int, int]]:
     """``(rows, cols, shared_row, global_cols, seed_tile)`` for a per-tile ``impl`` (hardware, tiled): the 2-D
     view of a tensor of ``shape``, a shard of ``global_shape`` (or all of it), whether every
@@ -199,7 +199,7 @@ def index_count(global_shape, shared_over_first_dim: bool = False) -> int:
 
 def _first_tile(shard_offset: jax.Array, global_cols: int, one_row: bool, seed_tile: tuple[int, int]) -> jax.Array:
     """int32 (1,): the index of a shard's first seed tile in the whole tensor's view (see
-    :func:`hardware_view`), from the 64-bit flat index of its first element, an int32 (2,)
+    :func:`per_tile_view`), from the 64-bit flat index of its first element, an int32 (2,)
     ``[high, low]``. The shard starts a whole tile of a one-row view, else a whole band of
     ``global_cols * seed_tile[0]`` elements, so the quotients are exact: they come from shifts and,
     for a band's odd factor, a multiplication by its inverse modulo 2**32 (Mosaic and XLA
@@ -257,7 +257,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
 
     Raises:
         ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, a per-tile impl on a
-            shard that is not whole tiles of the whole tensor's view (:func:`hardware_view`), a
+            shard that is not whole tiles of the whole tensor's view (:func:`per_tile_view`), a
             shard that is split along more than two dims besides the first, a
             ``shard_offset`` of another shape, a 2-D view with a dim of 2**31 or more
             (Pallas numbers blocks with int32), or blocks that
@@ -274,7 +274,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     outer, outer_stride = 1, None
     seed_tile = None
     if per_tile:
-        rows, cols, shared_row, global_cols, seed_tile = hardware_view(
+        rows, cols, shared_row, global_cols, seed_tile = per_tile_view(
             shape, global_shape if sharded else shape, shared_over_first_dim, impl)
         # Per-tile seeding needs whole tiles: the columns are padded to them (computed and sliced
         # off); the last tile row may be cut, its blocks reaching past the view (their rows there

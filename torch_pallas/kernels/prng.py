@@ -272,6 +272,12 @@ def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, in
     return 1, 0
 
 
+def tiled_grid(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, int]:
+    """The shape of the grid of hashes that fills a ``tile`` (one slab of :func:`tiled_layout`)."""
+    parts, axis = tiled_layout(tile, uniform_bits)
+    return (tile[0] // parts, tile[1]) if axis == 0 else (tile[0], tile[1] // parts)
+
+
 def _position_counter(grid: tuple[int, int], first_row: int = 0) -> jax.Array:
     """uint32 row-major positions of the rows of a ``grid`` of hashes from ``first_row`` on (a
     power-of-two width: a shift, as multiplies are emulated on v4)."""
@@ -302,9 +308,7 @@ def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: i
     from ``first_row`` (an int or a traced scalar; all of them by default): a kernel can walk a
     tile a few rows of its grid at a time, each then giving a piece of each slab."""
     k0, k1 = read_key(key_data_ref)
-    parts, axis = tiled_layout(tile, uniform_bits)
-    grid = list(tile)
-    grid[axis] //= parts
+    grid = list(tiled_grid(tile, uniform_bits))
     if rows is not None:
         grid[0] = rows
     # A tile index wraps modulo 2**32 as int32 arithmetic does; the conversion keeps its bits (as
@@ -314,7 +318,7 @@ def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: i
     # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
     # is there already.
     sixteen = np.uint32(16)
-    return {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[parts]
+    return {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[tiled_layout(tile, uniform_bits)[0]]
 
 
 def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
@@ -421,14 +425,19 @@ def drop_threshold(p: float) -> int:
     return math.floor(p * 2**DROPOUT_BITS + 0.5)
 
 
-def keep_probability(impl: str, p: float) -> np.float32:
-    """The probability that dropout of ``impl`` keeps an element, which the kept values are
-    divided by so that the output is unbiased: ``float32(1 - p)`` (the threshold
-    ``jax.random.bernoulli`` computes), or for ``impl="tiled"`` the keep probability its
-    16-bit threshold actually gives, ``(2**16 - t) / 2**16`` (exact in float32)."""
+def keep_fraction(impl: str, p: float) -> float:
+    """The probability that dropout of ``impl`` keeps an element, exactly: ``1 - p``, or for
+    ``impl="tiled"`` the keep probability its 16-bit threshold actually gives, ``(2**16 - t) /
+    2**16`` (exact in float32 too)."""
     if impl == TILED:
-        return np.float32((2**DROPOUT_BITS - drop_threshold(p)) / 2**DROPOUT_BITS)
-    return np.float32(1.0 - p)
+        return (2**DROPOUT_BITS - drop_threshold(p)) / 2**DROPOUT_BITS
+    return 1.0 - p
+
+
+def keep_probability(impl: str, p: float) -> np.float32:
+    """:func:`keep_fraction` in float32, which the kept values are divided by so that the output
+    is unbiased (``float32(1 - p)`` is also the threshold ``jax.random.bernoulli`` computes)."""
+    return np.float32(keep_fraction(impl, p))
 
 
 def kept(impl: str, bits: jax.Array, keep_probability) -> jax.Array:
