@@ -3,6 +3,8 @@
 registers it), tensors on it fake (a real allocation aborts the process: "No jellyfish device
 found")."""
 
+import collections
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,6 +29,20 @@ class DispatchedOps(TorchDispatchMode):
         if self._record_args:
             self.calls.append((func._schema.name, args))
         return func(*args, **(kwargs or {}))
+
+
+class CapturedGraphs(list):
+    """A ``torch.compile`` backend that keeps each graph dynamo captures and runs it as captured
+    (TorchTPU's own backend needs a TPU)."""
+
+    def __call__(self, graph_module, example_inputs):
+        self.append(graph_module)
+        return graph_module
+
+
+def graph_targets(graph_module) -> collections.Counter:
+    """How often each function ``graph_module`` calls is called (``"torch_pallas.dropout.default"``...)."""
+    return collections.Counter(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
 
 
 class CompiledBackward:
@@ -98,6 +114,11 @@ def run_formula(setup_context, backward, inputs, output, *grad_outputs):
 # Ops of torch's own noise or attention that a torch_pallas call must leave none of.
 _TORCH_NOISE = ("aten::dropout", "aten::native_dropout", "aten::feature_dropout", "aten::bernoulli",
                 "aten::scaled_dot_product", "aten::_scaled_dot_product")
+
+
+def torch_pallas_ops(names):
+    """Those of the dispatched op ``names`` that are torch_pallas's, in order."""
+    return [name for name in names if name.startswith("torch_pallas")]
 
 
 def torch_noise_ops(names):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import torch_pallas
-from torchtpu_support import CompiledBackward, DispatchedOps, check_on_tpu, torch_noise_ops
+from torchtpu_support import (CapturedGraphs, CompiledBackward, DispatchedOps, check_on_tpu, graph_targets,
+                              torch_noise_ops, torch_pallas_ops)
 
 SHAPE = (64, 256)
 
@@ -62,7 +63,7 @@ def test_dropout_matmul_and_indrnn_backward_kernels_return_every_gradient(fake):
     output, h_n = torch_pallas.indrnn(x, recurrent)
     with CompiledBackward() as backward:
         (fused.sum() + output.sum() + h_n.sum()).backward()
-    counts = collections.Counter(name for name in backward.names if name.startswith("torch_pallas"))
+    counts = collections.Counter(torch_pallas_ops(backward.names))
     assert counts == {"torch_pallas::dropout_matmul_backward": 1, "torch_pallas::indrnn_backward": 1}, counts
     for tensor, shape in ((weights, (2, 128, 128)), (value, (2, 128, 64)), (x, (16, 4, 128)), (recurrent, (128,))):
         check_on_tpu(tensor.grad, shape, torch.float32)
@@ -78,7 +79,7 @@ def test_checkpoint_recomputes_its_region_with_the_region_key(fake):
     (forward_fold,) = [args for name, args in forward.calls if name == "torch_pallas::fold_in"]
     with CompiledBackward() as backward:
         y.sum().backward()
-    ours = [name for name in backward.names if name.startswith("torch_pallas")]
+    ours = torch_pallas_ops(backward.names)
     assert ours == ["torch_pallas::fold_in", "torch_pallas::dropout", "torch_pallas::dropout"], ours
     (recomputed_fold,) = backward.args_of("torch_pallas::fold_in")
     assert recomputed_fold[0] is forward_fold[0] and recomputed_fold[1:] == forward_fold[1:]
@@ -97,13 +98,9 @@ def test_a_gpt2_training_step_traces_whole_in_torch_pallas_ops(fake):
     with torch.device("tpu"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).train()
     ids = torch.randint(3, 128, (2, 16), device="tpu")
-    forward_graphs = []
+    forward_graphs = CapturedGraphs()
 
-    def capture(graph_module, example_inputs):
-        forward_graphs.append(graph_module)
-        return graph_module
-
-    @torch.compile(backend=capture, fullgraph=True)
+    @torch.compile(backend=forward_graphs, fullgraph=True)
     def loss_of(ids):
         # The loss outside the model: transformers 5's loss_function logs a warning_once that
         # dynamo refuses to trace (a graph break in any compiled GPT-2, not ours).
@@ -113,13 +110,13 @@ def test_a_gpt2_training_step_traces_whole_in_torch_pallas_ops(fake):
 
     loss = loss_of(ids)
     (graph,) = forward_graphs
-    targets = collections.Counter(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+    targets = graph_targets(graph)
     assert targets["torch_pallas.dropout.default"] == 3 and targets["torch_pallas.attention.default"] == 1, targets
     assert not [target for target in targets if "bernoulli" in target or "dropout" in target.split(".")[0]]
     with CompiledBackward() as backward:
         loss.backward()
     assert len(backward.graphs) == 1
-    counts = collections.Counter(name for name in backward.names if name.startswith("torch_pallas"))
+    counts = collections.Counter(torch_pallas_ops(backward.names))
     assert counts == {"torch_pallas::dropout": 3, "torch_pallas::attention_backward": 1}, counts
     assert not torch_noise_ops(backward.names), backward.names
     for parameter in model.parameters():

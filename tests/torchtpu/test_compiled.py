@@ -7,6 +7,7 @@ import torch
 from torch._subclasses import FakeTensorMode
 
 import torch_pallas
+from torchtpu_support import CapturedGraphs, graph_targets
 
 
 class _Block(torch.nn.Module):
@@ -20,27 +21,18 @@ class _Block(torch.nn.Module):
 
 def _captured(function, *calls):
     """The graphs dynamo captures (``fullgraph=True``: a graph break raises) over ``calls``."""
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module
-
-    compiled = torch.compile(function, backend=backend, fullgraph=True)
+    graphs = CapturedGraphs()
+    compiled = torch.compile(function, backend=graphs, fullgraph=True)
     for args in calls:
         compiled(*args)
     return graphs
-
-
-def _targets(graph_module):
-    return [str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"]
 
 
 def test_a_block_compiles_whole_with_torch_pallas_dropout_in_the_graph():
     with FakeTensorMode():
         block, x = _Block(), torch.randn(8, 128, device="tpu")
         (graph,) = _captured(block, (x, 1))
-    targets = _targets(graph)
+    targets = graph_targets(graph)
     assert "torch_pallas.dropout.default" in targets, targets
     assert not [target for target in targets if "bernoulli" in target or "aten.dropout" in target]
 
@@ -51,5 +43,5 @@ def test_a_new_key_each_step_does_not_recompile():
         block, x = _Block(), torch.randn(8, 128, device="tpu")
         graphs = _captured(block, (x,), (x,), (x,))
     assert len(graphs) == 1
-    targets = _targets(graphs[0])
+    targets = graph_targets(graphs[0])
     assert "torch_pallas.dropout.default" in targets and any("randint" in target for target in targets), targets

@@ -12,7 +12,7 @@ import torch_pallas
 from front_end_contract import check_a_broken_front_end_is_refused, check_front_ends_keep_the_contract
 from torch_pallas import bridge
 from torch_pallas.frontends import torchtpu
-from torchtpu_support import DispatchedOps
+from torchtpu_support import DispatchedOps, torch_pallas_ops
 
 
 def test_the_torchtpu_and_cpu_front_ends_keep_the_contract():
@@ -99,4 +99,4 @@ def test_a_dtensor_is_refused_with_the_fix_and_left_to_torch_by_routing(two_rank
             attended = torch.nn.functional.scaled_dot_product_attention(on_cpu[None], on_cpu[None], on_cpu[None],
                                                                           dropout_p=0.5)
     assert type(dropped).__name__ == type(attended).__name__ == "DTensor"
-    assert not [name for name in dispatched.names if name.startswith("torch_pallas")], dispatched.names
+    assert not torch_pallas_ops(dispatched.names), dispatched.names

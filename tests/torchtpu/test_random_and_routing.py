@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_pallas
-from torchtpu_support import DispatchedOps, check_dispatches, check_kernel_op, check_on_tpu, torch_noise_ops
+from torchtpu_support import (DispatchedOps, check_dispatches, check_kernel_op, check_on_tpu, torch_noise_ops,
+                              torch_pallas_ops)
 from torch_pallas.ops import sampling
 
 SHAPE = (8, 128)
@@ -40,7 +41,7 @@ def test_route_dropout_routes_torch_dropout_and_attention_with_dropout(fake):
         dropped = F.dropout(x, 0.1)
         module_dropped = torch.nn.Dropout2d(0.1)(query)
         attended = F.scaled_dot_product_attention(query, query, query, dropout_p=0.1)
-    assert collections.Counter(name for name in dispatched.names if name.startswith("torch_pallas")) == {
+    assert collections.Counter(torch_pallas_ops(dispatched.names)) == {
         "torch_pallas::dropout": 2, "torch_pallas::attention": 1}
     assert not torch_noise_ops(dispatched.names), dispatched.names
     check_on_tpu(dropped, SHAPE, torch.float32)
@@ -55,7 +56,7 @@ def test_checkpoint_forward_draws_its_region_key_and_folds_it_in(fake):
     x = torch.randn(SHAPE, device="tpu", requires_grad=True)
     with DispatchedOps() as dispatched:
         y = torch_pallas.checkpoint(lambda x: torch_pallas.dropout(linear(x), 0.1), x)
-    ours = [name for name in dispatched.names if name.startswith("torch_pallas")]
+    ours = torch_pallas_ops(dispatched.names)
     assert ours == ["torch_pallas::fold_in", "torch_pallas::dropout"], dispatched.names
     assert "aten::randint" in dispatched.names  # the region's key, from the tpu generator
     check_on_tpu(y, SHAPE, torch.float32)
@@ -77,7 +78,7 @@ def test_a_gpt2_built_on_the_tpu_device_runs_its_forward_in_torch_pallas_ops(fak
     padding = torch.ones(2, 16, dtype=torch.long, device="tpu")
     with DispatchedOps() as dispatched, torch_pallas.route_dropout():
         output = model.train()(input_ids=ids, attention_mask=padding, labels=ids)
-    assert collections.Counter(name for name in dispatched.names if name.startswith("torch_pallas")) == {
+    assert collections.Counter(torch_pallas_ops(dispatched.names)) == {
         "torch_pallas::dropout": 3, "torch_pallas::attention": 1}
     assert not torch_noise_ops(dispatched.names), dispatched.names
     check_on_tpu(output.logits, (2, 16, 128), torch.float32)
@@ -91,6 +92,6 @@ def test_the_fusing_options_route_without_fusing(fake):
     with DispatchedOps() as dispatched, torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
         summed = residual + F.dropout(x, 0.1)
         multiplied = F.dropout(weights, 0.1) @ value
-    assert [name for name in dispatched.names if name.startswith("torch_pallas")] == ["torch_pallas::dropout"] * 2
+    assert torch_pallas_ops(dispatched.names) == ["torch_pallas::dropout"] * 2
     check_on_tpu(summed, SHAPE, torch.float32)
     check_on_tpu(multiplied, (2, 64, 32), torch.float32)

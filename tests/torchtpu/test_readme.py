@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from torchtpu_support import CompiledBackward, check_on_tpu, torch_noise_ops
+from torchtpu_support import (CapturedGraphs, CompiledBackward, check_on_tpu, graph_targets, torch_noise_ops,
+                              torch_pallas_ops)
 
 # tests/test_readme.py finds and classifies the blocks (a file of the xla stack's tests, which
 # this stack does not collect: loaded by path).
@@ -30,16 +31,11 @@ def test_the_readmes_block_runs(fake):
 
 
 def test_the_tour_runs(fake, monkeypatch):
-    graphs = []
-
-    def capture(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module
-
+    graphs = CapturedGraphs()
     compile = torch.compile
 
     def compile_capturing(model=None, **options):
-        options.setdefault("backend", capture)  # torch.compile(None, ...) calls itself again with it
+        options.setdefault("backend", graphs)  # torch.compile(None, ...) calls itself again with it
         return compile(model, **options)
 
     monkeypatch.setattr(torch, "compile", compile_capturing)
@@ -52,9 +48,9 @@ def test_the_tour_runs(fake, monkeypatch):
     for parameter in namespace["gpt2"].parameters():
         check_on_tpu(parameter.grad, parameter.shape, torch.float32)
     (graph,) = graphs
-    targets = collections.Counter(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+    targets = graph_targets(graph)
     assert targets["torch_pallas.attention.default"] == 2 and targets["torch_pallas.dropout.default"] == 5, targets
     # The backward passes: x's dropout, then GPT-2's five dropouts and two attentions.
-    ours = collections.Counter(name for name in ran.names if name.startswith("torch_pallas"))
+    ours = collections.Counter(torch_pallas_ops(ran.names))
     assert ours == {"torch_pallas::dropout": 1 + 5, "torch_pallas::attention_backward": 2}, ours
     assert not torch_noise_ops(ran.names), ran.names
