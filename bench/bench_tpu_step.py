@@ -13,12 +13,14 @@ LM), ViT (image classification) and T5 (sequence to sequence) at the sizes users
 small, BERT-base, ViT-B/16, T5-base widths, with fewer layers than the released models where
 ``LAYERS`` says so: compile time on this machine grows with layers, the per-layer figures do not
 change), and GPT-2 and BERT again at 8 x 128 tokens (``gpt2-128``, ``bert-128``: short sequences,
-where fixed per-call costs weigh most), every dropout p=0.1, built five ways with the same weights:
+where fixed per-call costs weigh most), every dropout p=0.1, built in these variants with the same weights:
 
 - ``torch_pallas threefry`` / ``torch_pallas hardware`` / ``torch_pallas tiled``: every dropout
   routed to torch_pallas with that noise impl, residual adds and eager attention's products fused
   (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
   custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
+- ``torch_pallas threefry unfused`` / ``torch_pallas tiled unfused``: ``route_dropout(impl=...)``
+  alone, what a user gets without options;
 - ``torch``: torch's own dropout (XLA draws each mask and keeps it for the backward pass);
 - ``no dropout``: the model in eval mode (every dropout the identity), the floor.
 
@@ -52,7 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, commit, markdown_table, write  # noqa: E402
 
 P = 0.1
-VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled", "torch", "no dropout")
+# "torch_pallas <impl>": every dropout routed with that noise impl, residual adds and eager attention's products
+# fused (the table's figures); "torch_pallas <impl> unfused": route_dropout(impl=...) alone, what a user gets
+# without options.
+VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled", "torch_pallas threefry unfused",
+            "torch_pallas tiled unfused", "torch", "no dropout")
 ROUTED_VARIANTS = tuple(variant for variant in VARIANTS if variant.startswith("torch_pallas"))
 # transformers' own (``sdpa``, its default; ``eager``) and torch_pallas's flash kernels registered with its
 # AttentionInterface (``torch_pallas.register_attention()``), measured against ``eager`` with torch's dropout.
@@ -149,18 +155,33 @@ def build(model_name: str, attention: str, layers: int):
     return model, batch
 
 
+def routing(variant: str):
+    """A routed variant's noise impl and its ``route_dropout`` (``(None, None)`` for ``torch`` and
+    ``no dropout``)."""
+    import torch_pallas
+
+    if variant not in ROUTED_VARIANTS:
+        return None, None
+    impl, fused = variant.split()[1], not variant.endswith(" unfused")
+    return impl, torch_pallas.route_dropout(impl=impl, fuse_residual=fused, fuse_matmul=fused)
+
+
+def label(variant: str) -> str:
+    """A variant's name in the tables: a routed one's without ``torch_pallas``."""
+    return variant.removeprefix("torch_pallas ")
+
+
 def step_outputs(model, batch, variant: str) -> list:
     """The loss and every gradient of one step, as pending XLA tensors (never run here)."""
     import torch_pallas
     from torch_pallas import tpu_compile
 
     model.train(variant != "no dropout").zero_grad(set_to_none=True)
-    routed = variant in ROUTED_VARIANTS
-    with tpu_compile.lowering_for_tpu(), (  # inside: impl="hardware" is accepted only while lowering for TPU
-            torch_pallas.route_dropout(impl=variant.split()[-1], fuse_residual=True, fuse_matmul=True) if routed
-            else contextlib.nullcontext()):
+    with tpu_compile.lowering_for_tpu():  # inside: impl="hardware" is accepted only while lowering for TPU
+        impl, route = routing(variant)
+    with tpu_compile.lowering_for_tpu(), route or contextlib.nullcontext():
         # The default impl too: register_attention's function (attn_implementation="torch_pallas") takes it.
-        torch_pallas.random.set_default_impl(variant.split()[-1] if routed else None)
+        torch_pallas.random.set_default_impl(impl)
         try:
             loss = model(**batch).loss
             loss.backward()
@@ -193,14 +214,15 @@ def step_function(model, batch, variant: str):
 
     env = torchax.default_env()
     model.train(variant != "no dropout")
-    routed, impl = variant in ROUTED_VARIANTS, variant.split()[-1]
+    with tpu_compile.lowering_for_tpu():
+        impl, route = routing(variant)
     jittable = interop.JittableModule(model)
 
     def loss_of(params, buffers, batch, key_data):  # torchax tensors
         with contextlib.ExitStack() as scope:
             scope.enter_context(env)
-            if routed:
-                scope.enter_context(torch_pallas.route_dropout(impl=impl, fuse_residual=True, fuse_matmul=True))
+            if route is not None:
+                scope.enter_context(route)
                 scope.enter_context(torch_pallas.seeds.key_scope(key_data))
             else:
                 words = jax.lax.bitcast_convert_type(interop.jax_view(key_data), jax.numpy.uint32)
@@ -215,7 +237,7 @@ def step_function(model, batch, variant: str):
     def step(*arrays):
         # The backward kernels are traced after loss_of returns: lowering for TPU spans the whole step.
         with tpu_compile.lowering_for_tpu():
-            torch_pallas.random.set_default_impl(impl if routed else None)
+            torch_pallas.random.set_default_impl(impl)
             try:
                 return interop.jax_view(value_and_grad(*jax.tree.unflatten(tree, arrays)))
             finally:
@@ -420,7 +442,8 @@ def render(records: list) -> str:
         "Columns: `torch`: torch's dropout, its peak HBM and estimated step time; `threefry`, `hardware`, `tiled`: "
         "every dropout routed to torch_pallas with that noise impl (`impl=`, docs/noise.md), "
         "residual adds and eager attention's products of dropped weights and values fused (`route_dropout(impl=..., "
-        "fuse_residual=True, fuse_matmul=True)`); each ratio cell is peak HBM (`peak_memory_in_bytes`) / estimated "
+        "fuse_residual=True, fuse_matmul=True)`); `threefry unfused`, `tiled unfused`: `route_dropout(impl=...)` "
+        "alone, what a user gets without options (no fusion; `threefry` is the default impl); each ratio cell is peak HBM (`peak_memory_in_bytes`) / estimated "
         "step time (`GraphCompilation.estimate`) as ratios to torch's (below 1.0x: less than torch's); "
         "`no dropout`: the model in eval mode; kernels: the Mosaic custom calls in the torch_pallas step. "
         "Attention `torch_pallas`: the model built with "
@@ -457,7 +480,7 @@ def render(records: list) -> str:
 
 
 COLUMNS = ("model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",
-           *(f"{variant.split()[-1]} / torch: peak / step" for variant in ROUTED_VARIANTS),
+           *(f"{label(variant)} / torch: peak / step" for variant in ROUTED_VARIANTS),
            "no dropout / torch: peak / step", "kernels")
 
 
@@ -476,7 +499,7 @@ def render_breakdown(records: list) -> str:
                     if row is None or "seconds_by_kind" not in row:
                         continue
                     kinds = row["seconds_by_kind"]
-                    cells = [model_name, attention, place[2], variant.split()[-1], _ms(row["estimate_s"])]
+                    cells = [model_name, attention, place[2], label(variant), _ms(row["estimate_s"])]
                     for kind in ("kernel", "fusion"):
                         part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
                         cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
