@@ -1,15 +1,19 @@
 """What the TPU compiler says each kernel costs at 2**22 elements, on a machine without a TPU.
 
     .venv/bin/python bench/tpu_cost.py                 # markdown tables on stdout
-    .venv/bin/python bench/tpu_cost.py --only dropout  # kernels whose name starts with this
+    .venv/bin/python bench/tpu_cost.py --only dropout  # kernels whose name starts with this (here dropout,
+                                                       # dropout_add, dropout_matmul_* and the what-if rows)
     .venv/bin/python bench/tpu_cost.py --what-if       # also the hardware PRNG seeded per smaller tiles
     .venv/bin/python bench/tpu_cost.py --only dropout --impls tiled  # the tiled impl's dropout rows alone
     .venv/bin/python bench/tpu_cost.py --only attention  # the flash-attention rows alone (bench/tpu_cost_attention.py)
 
-Each kernel (dropout, which is also its own backward; uniform / normal / bernoulli sampling; the
-IndRNN forward and backward), dtype (float32, bfloat16), noise impl (threefry, hardware, tiled) and TPU
-generation (v4, v5e, v5p, v6e) is compiled with the library's default blocks by libtpu's
-compile-only client (torch_pallas.tpu_compile, interpret=False). Reported:
+Each kernel (dropout, which is also its own backward; dropout_add, ``residual + dropout(x)``;
+dropout_matmul forward and backward, ``dropout(weights) @ value`` and with ``softmax=True``
+``dropout(softmax(scores)) @ value``, on (B·H, L, S) = (16, 512, 512) weights and a (16, 512, 64)
+value; uniform / normal / bernoulli sampling; the IndRNN forward and backward), dtype (float32,
+bfloat16), noise impl (threefry, hardware, tiled) and TPU generation (v4, v5e, v5p, v6e) is compiled
+with the library's default blocks by libtpu's compile-only client (torch_pallas.tpu_compile,
+interpret=False). Reported:
 
 - compile time; ``compiled.memory_analysis()`` (argument / output / temp bytes, generated code
   size); ``compiled.cost_analysis()`` (flops, bytes accessed);
@@ -17,7 +21,10 @@ compile-only client (torch_pallas.tpu_compile, interpret=False). Reported:
   the static schedule (``torch_pallas.tpu_schedule.static_schedule``). Every loop's bundles are counted once per iteration (its trip count read from its
   ``loop exit test``); the grid loop's two pipeline stages that skip the body are left out. This
   gives the kernel's bundle count (= cycles if nothing stalls) per TensorCore, and its vector-ALU
-  operations (``v*`` ops but loads, stores, syncs, vrng and the EUP's push/pop) per element;
+  operations (``v*`` ops but loads, stores, syncs, vrng and the EUP's push/pop) per element. For
+  dropout_matmul, per weight; its kernels initialise and write their accumulators under ``pl.when``,
+  so they are counted by ``tpu_schedule.executed_schedule`` (below), and the matrix units' and
+  cross-lane units' ops in their bundles are not counted as VALU ops;
 - the roofline: HBM bytes (from the BlockSpecs) at the published bandwidth vs the schedule's cycles
   at the clock (constants in ``torch_pallas.tpu_schedule.HARDWARE``).
 
@@ -27,8 +34,8 @@ waits (the HBM-bound part) are not in them.
 The attention rows (``--only attention``; ``bench/tpu_cost_attention.py``) and the whole programs of
 ``bench/tpu_peers.py`` count bundles with ``tpu_schedule.executed_schedule`` instead, which runs each kernel's (and
 XLA fusion's) scalar control flow so that regions under ``pl.when`` count as often as they run (it
-agrees with ``static_schedule`` within 1 % on the kernels above, which branch only around their
-pipeline's first and last steps).
+agrees with ``static_schedule`` within 1 % on the elementwise and IndRNN kernels, which branch only
+around their pipeline's first and last steps).
 """
 
 from __future__ import annotations
@@ -52,9 +59,10 @@ import torch_pallas  # noqa: E402,F401  (torch_xla before JAX; pins the Mosaic I
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import tpu_cost_attention  # noqa: E402
 from common import markdown_table  # noqa: E402
 from torch_pallas import tpu_compile, tpu_schedule  # noqa: E402
-from torch_pallas.kernels import dropout, indrnn, prng, sampling, tiling  # noqa: E402
+from torch_pallas.kernels import dropout, dropout_matmul, indrnn, prng, sampling, tiling  # noqa: E402
 from torch_pallas.tpu_schedule import HARDWARE, static_schedule  # noqa: E402
 
 # libtpu's dump of each kernel's final bundles, read when libtpu initialises (at the first compile below).
@@ -63,41 +71,38 @@ tpu_compile.enable_estimates()
 N = 2**22
 VIEW = (4096, 1024)         # 2**22 elements, the 2-D view every elementwise kernel uses at this size
 T, B, F = 1024, 8, 512      # 2**22 elements; default blocks (64, 8, 512)
+# dropout_matmul on eager attention's weights (B·H, L, S), 2**22 of them (batch 2 x 8 heads at 512 tokens,
+# say), and its value (B·H, S, Ev) with a head dim of 64; the output and its gradient are (B·H, L, Ev).
+WEIGHTS, VALUE, OUTPUT = (16, 512, 512), (16, 512, 64), (16, 512, 64)
 KEY = jax.ShapeDtypeStruct((2,), jnp.int32)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Vector ops that use no vector-ALU slot: VMEM loads/stores, syncs, phis, mask moves, the hardware
-# PRNG's draw (vrng: bundled with four VALU ops), the EUP's transcendental pushes and result pops.
-NOT_VALU = re.compile(r"v(ld|st|syncpa|syncadd|pop\.eup|phi|mmov|rng)|v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos)\.f32")
-
-
-def _elementwise_grid(itemsize, impl):
-    blocks = tiling.resolve_elementwise(None, *VIEW, itemsize, interpret=False,
-                                        seed_tile=tiling.hardware_tile(*VIEW) if prng.per_tile(impl) else None)
-    return math.ceil(VIEW[0] / blocks.rows) * math.ceil(VIEW[1] / blocks.cols)
 
 
 def configurations(impls=prng.IMPLS):
-    """Every kernel at 2**22 elements with default blocks: its name, dtype, impl (of ``impls``), grid
-    size, the HBM bytes its BlockSpecs move (read + write), and the function and arguments to compile."""
+    """Every kernel at 2**22 elements with default blocks: its name, dtype, impl (of ``impls``), the
+    HBM bytes its BlockSpecs move (read + write), and the function and arguments to compile; with
+    ``branches``, its grid steps branch (see :func:`measure`)."""
     for dtype_name, dtype in DTYPES.items():
         size = jnp.dtype(dtype).itemsize
+        x = jax.ShapeDtypeStruct(VIEW, dtype)
         for impl in impls:
-            # Reads x, writes y (the backward: reads the gradient, writes grad_x); the key is 8 bytes.
-            yield dict(kernel="dropout", dtype=dtype_name, impl=impl, grid=_elementwise_grid(size, impl),
-                       bytes=2 * N * size + 8, args=(KEY, jax.ShapeDtypeStruct(VIEW, dtype)),
-                       function=functools.partial(dropout.dropout, p=0.1, impl=impl, interpret=False))
+            # Reads x (and dropout_add's residual), writes y (dropout's backward: reads the gradient,
+            # writes grad_x); the key is 8 bytes.
+            for kernel, operands in (("dropout", (x,)), ("dropout_add", (x, x))):
+                yield dict(kernel=kernel, dtype=dtype_name, impl=impl, bytes=(len(operands) + 1) * N * size + 8,
+                           args=(KEY, *operands),
+                           function=functools.partial(getattr(dropout, kernel), p=0.1, impl=impl, interpret=False))
+            yield from _dropout_matmul_configurations(dtype_name, dtype, impl)
             for distribution in ("uniform", "normal") + (("bernoulli",) if dtype_name == "float32" else ()):
                 bernoulli = distribution == "bernoulli"  # the kernel writes int32; a cast to bool follows it
                 out_size = 4 if bernoulli else size
                 yield dict(kernel=distribution, dtype="bool (int32)" if bernoulli else dtype_name, impl=impl,
-                           grid=_elementwise_grid(out_size, impl), bytes=N * out_size + 8, args=(KEY,),
+                           bytes=N * out_size + 8, args=(KEY,),
                            function=functools.partial(sampling.sample, shape=VIEW, distribution=distribution,
                                                       dtype=dtype, p=0.3, impl=impl, interpret=False))
         sequence, state = jax.ShapeDtypeStruct((T, B, F), dtype), jax.ShapeDtypeStruct((B, F), dtype)
         weight = jax.ShapeDtypeStruct((F,), jnp.float32)
-        blocks = tiling.resolve_recurrence(None, T, B, F, dtype, interpret=False)
-        time_blocks = math.ceil(T / blocks.time)
-        grid = time_blocks * math.ceil(B / blocks.batch) * math.ceil(F / blocks.features)
+        time_blocks = math.ceil(T / tiling.resolve_recurrence(None, T, B, F, dtype, interpret=False).time)
         # The kernels' own cost_estimates: forward reads x, writes output (+ h0, h_n, the weight row);
         # backward reads grad_output and output, writes grad_x (+ one output row per time block, h0,
         # grad_h_n, grad_h0 and the float32 weight-gradient rows).
@@ -105,12 +110,46 @@ def configurations(impls=prng.IMPLS):
         backward_bytes = (3 * N + time_blocks * B * F + 3 * B * F) * size + 4 * B * F
         for nonlinearity in indrnn.NONLINEARITIES:
             options = dict(nonlinearity=nonlinearity, interpret=False)
-            yield dict(kernel=f"indrnn_forward {nonlinearity}", dtype=dtype_name, impl="-", grid=grid,
+            yield dict(kernel=f"indrnn_forward {nonlinearity}", dtype=dtype_name, impl="-",
                        bytes=forward_bytes, args=(sequence, weight, state),
                        function=functools.partial(indrnn.indrnn_forward, **options))
-            yield dict(kernel=f"indrnn_backward {nonlinearity}", dtype=dtype_name, impl="-", grid=grid,
+            yield dict(kernel=f"indrnn_backward {nonlinearity}", dtype=dtype_name, impl="-",
                        bytes=backward_bytes, args=(sequence, state, sequence, weight, state),
                        function=functools.partial(indrnn.indrnn_backward, **options))
+
+
+def _dropout_matmul_configurations(dtype_name, dtype, impl):
+    """``dropout(weights) @ value`` forward and backward, without and with the softmax before the
+    dropout. At these shapes each kernel moves each block once (one block of S; with softmax
+    whole rows): the forward reads the weights (or scores) and the value and writes the output;
+    the backward also reads the output's gradient and writes the weights' and the value's."""
+    weights, value, output = (jax.ShapeDtypeStruct(shape, dtype) for shape in (WEIGHTS, VALUE, OUTPUT))
+
+    def moved(*arrays):  # + the 8-byte key
+        return sum(math.prod(array.shape) for array in arrays) * jnp.dtype(dtype).itemsize + 8
+    for softmax in (False, True):
+        options = dict(p=0.1, impl=impl, interpret=False, softmax=softmax)
+        for direction, args, bytes_moved in (("forward", (KEY, weights, value), moved(weights, value, output)),
+                                             ("backward", (KEY, weights, value, output),
+                                              moved(weights, value, output, weights, value))):
+            yield dict(kernel=f"dropout_matmul_{direction}{' softmax' if softmax else ''}", dtype=dtype_name,
+                       impl=impl, bytes=bytes_moved, args=args, branches=True,
+                       function=functools.partial(getattr(dropout_matmul, f"dropout_matmul_{direction}"), **options))
+
+
+def grid_size(function, args):
+    """Grid steps of the one Pallas kernel ``function(*args)`` calls (traced, not compiled)."""
+    def grids(jaxpr):
+        for equation in jaxpr.eqns:
+            if equation.primitive.name == "pallas_call":
+                yield equation.params["grid_mapping"].grid
+            for value in equation.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(inner, "eqns"):
+                        yield from grids(inner)
+    (grid,) = grids(jax.make_jaxpr(function)(*args).jaxpr)
+    return math.prod(grid)
 
 
 @contextlib.contextmanager
@@ -130,32 +169,46 @@ def what_if_configurations():
     for dtype_name, dtype in DTYPES.items():
         for elements in (8 * 1024, 32 * 1024):
             with hardware_tile_elements(elements):
-                tile, grid = tiling.hardware_tile(*VIEW), _elementwise_grid(jnp.dtype(dtype).itemsize, "hardware")
+                tile = tiling.hardware_tile(*VIEW)
 
             def function(key, x, elements=elements):
                 with hardware_tile_elements(elements):
                     return dropout.dropout(key, x, p=0.1, impl="hardware", interpret=False)
             yield dict(kernel=f"dropout, hardware PRNG per {tile} tile (what-if)", dtype=dtype_name, impl="hardware",
-                       grid=grid, bytes=2 * N * jnp.dtype(dtype).itemsize + 8, function=function,
+                       bytes=2 * N * jnp.dtype(dtype).itemsize + 8, function=function,
                        args=(KEY, jax.ShapeDtypeStruct(VIEW, dtype)))
 
 
 # --- one compile ------------------------------------------------------------------------------------------------
 
-def measure(function, args, generation):
+def measure(function, args, generation, branches=False):
+    """One compile of ``function(*args)`` for ``generation``: its analyses and its kernels' schedule.
+    Bundles and VALU ops are the static schedule's (every conditional region on every grid step: exact
+    for kernels that branch only around their pipeline's first and last steps), or with ``branches``
+    (kernels that initialise and write accumulators under ``pl.when``) executed_schedule's, their
+    VALU ops told from the matrix and cross-lane units' by ``tpu_cost_attention.unit_of``."""
     with tpu_compile.compiler_dumps() as dumps:
         start = time.perf_counter()
         compiled = tpu_compile.compile_for_tpu(function, *args, generation=generation)
         seconds = time.perf_counter() - start
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    schedules = [static_schedule(dump) for dump in tpu_schedule.kernel_dumps(dumps).values()]
+    kernels = list(tpu_schedule.kernel_dumps(dumps).values())
+    schedules = [static_schedule(dump) for dump in kernels]
+    if branches:
+        # These kernels' bundles also hold matrix-unit and cross-lane ops: VALU ops are counted by unit.
+        runs = [tpu_schedule.executed_schedule(dump, generation) for dump in kernels]
+        valu = [(count, sum(tpu_cost_attention.unit_of(op) == "VALU" for op in ops))
+                for run in runs for count, ops in zip(run["counts"], run["ops"])]
+        bundles = sum(run["bundles"] for run in runs)
+        valu_ops, max_valu = sum(count * ops for count, ops in valu), max(ops for _, ops in valu)
+    else:
+        bundles, valu_ops = sum(s["bundles"] for s in schedules), sum(s["valu_ops"] for s in schedules)
+        max_valu = max(s["max_valu_per_bundle"] for s in schedules)
     return {
         "compile_s": seconds, "memory": memory, "cost": cost,
         "serialized_bytes": len(compiled.runtime_executable().serialize()), "hlo_text_chars": len(compiled.as_text()),
-        "bundles": sum(s["bundles"] for s in schedules), "valu_ops": sum(s["valu_ops"] for s in schedules),
-        "grid_steps": schedules[0]["grid_trip"],
-        "max_valu_per_bundle": max(s["max_valu_per_bundle"] for s in schedules),
+        "bundles": bundles, "valu_ops": valu_ops, "grid_steps": schedules[0]["grid_trip"], "max_valu_per_bundle": max_valu,
     }
 
 
@@ -186,7 +239,6 @@ def main():
     if selected:
         elementwise_and_recurrence(selected, options)
     if not options.only or "attention".startswith(options.only):
-        import tpu_cost_attention
         section = tpu_cost_attention.run(options.generations)
         print(f"Generated by `.venv/bin/python bench/tpu_cost.py --only attention` (libtpu "
               f"{importlib.metadata.version('libtpu')}'s compile-only client, jax {jax.__version__}); "
@@ -200,9 +252,10 @@ def elementwise_and_recurrence(selected, options):
     for c in selected:
         name = [c["kernel"], c["dtype"], c["impl"]]
         compile_cells, roofline_cells, summary = [], [], None
+        grid = grid_size(c["function"], c["args"])
         for generation in options.generations:
             try:
-                r = measure(c["function"], c["args"], generation)
+                r = measure(c["function"], c["args"], generation, c.get("branches", False))
             except Exception as error:  # the table reports what libtpu said
                 compile_cells.append("rejected: " + str(error).splitlines()[0][:80])
                 roofline_cells.append("—")
@@ -210,7 +263,7 @@ def elementwise_and_recurrence(selected, options):
             m, hw = r["memory"], HARDWARE[generation]
             # The grid loop ran grid / cores steps: 2 where the compiler split the "parallel" grid over a
             # megacore's two TensorCores, each then doing half the elements.
-            cores = c["grid"] // r["grid_steps"] if r["grid_steps"] else 1
+            cores = grid // r["grid_steps"] if r["grid_steps"] else 1
             valu_per_element = r["valu_ops"] * 1024 / (N / cores)    # vector ops act on 8 x 128 32-bit lanes
             bundles_per_vreg = r["bundles"] * 1024 / (N / cores)
             memory_us = c["bytes"] / hw.hbm_bandwidth * 1e6
@@ -226,7 +279,7 @@ def elementwise_and_recurrence(selected, options):
             long_rows.append(name + [
                 generation, f"{r['compile_s']:.2f}", m.argument_size_in_bytes, m.output_size_in_bytes,
                 m.temp_size_in_bytes, m.generated_code_size_in_bytes, r["serialized_bytes"], r["hlo_text_chars"],
-                flops, f"{cost_bytes:.0f}", f"{c['grid']} / {cores}", f"{valu_per_element:.0f}",
+                flops, f"{cost_bytes:.0f}", f"{grid} / {cores}", f"{valu_per_element:.0f}",
                 f"{bundles_per_vreg:.1f}", f"{memory_us:.1f}", f"{valu_us:.1f}", f"{schedule_us:.1f}",
                 f"{bound} ({ratio:.1f}x)"])
             max_valu[generation] = max(max_valu.get(generation, 0), r["max_valu_per_bundle"])
@@ -242,7 +295,8 @@ def elementwise_and_recurrence(selected, options):
     command = " ".join(["bench/tpu_cost.py"] + sys.argv[1:])
     print(f"Generated by `.venv/bin/python {command}` (libtpu {libtpu}'s "
           f"compile-only client, jax {jax.__version__}); {N} elements: elementwise view {VIEW}, IndRNN (T, B, F) = "
-          f"{(T, B, F)}; the library's default blocks. Nothing ran on a TPU.\n")
+          f"{(T, B, F)}, dropout_matmul weights (B·H, L, S) = {WEIGHTS} with value {VALUE} (p = 0.1; its "
+          "per-element figures are per weight); the library's default blocks. Nothing ran on a TPU.\n")
     print("**Roofline.** B / elem: HBM bytes read + written per element (BlockSpecs); VALU ops / elem: vector-ALU "
           f"ops per 32-bit lane in the compiled kernel ({options.generations[-1]}); per generation, in µs: HBM time "
           "(bytes / published bandwidth) / VALU-peak time (the kernel's VALU ops / (VALU slots x clock)) / the "

@@ -59,12 +59,13 @@ PASSES = ("forward", "forward+backward")
 # Vector ops by the unit that executes them (the rest are the vector ALUs'): the matrix units
 # (pushes, matmuls, result pops), the cross-lane units (permutes, lane reductions, their pops), the
 # EUP's transcendentals (exp is vpow2 after a multiply by log2(e)) and their pops, VMEM loads and
-# stores; bookkeeping ops that issue in no ALU slot are left out.
+# stores; bookkeeping ops that issue in no ALU slot are left out, and so is logic on compare masks
+# (vmor, vmand, vmpackc: beside a bundle's full VALU slots, e.g. v4's two ops and a vmand).
 _UNITS = (("MXU", re.compile(r".*\.mxu\d.*|vmatmul.*|vmatpush.*|vlatch.*|vdwg.*")),
           ("XLU", re.compile(r".*\.xlu\d.*|vxpose.*")),
           ("EUP", re.compile(r"v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos|erf)\.f32|vpop\.eup")),
           ("vld", re.compile(r"vld.*")), ("vst", re.compile(r"vst.*")),
-          (None, re.compile(r"v(sync|phi|mmov|rng|trace|delay|set|nop|wait|setiar).*")))
+          (None, re.compile(r"v(sync|phi|mmov|rng|trace|delay|set|nop|wait|setiar|mor|mand|mxor|mnot|mpack).*")))
 UNITS = ("VALU", "EUP", "MXU", "XLU", "vld", "vst")
 
 
