@@ -186,23 +186,21 @@ def tiled_hash(key, x0, x1):
 
 
 def numpy_tiled_tile(key, tile_index, tile, uniform_bits, hash_words=tiled_hash):
-    """uint32 bits of one tile of the tiled impl: parts of a hash cut the rows into slabs of
-    whole sublanes, else the lanes into slabs of whole vregs, else halve; a 16-bit element's
+    """uint32 bits of one tile of the tiled impl: the parts of a hash cut the rows, rounded up,
+    into slabs of whole sublanes, or the lanes into whole vregs where only they divide; a 16-bit element's
     uniform is the top half of its word. ``hash_words(key, x0, x1)``: the hash (the statistical
     tests' negative controls pass weakened ones)."""
     rows, cols = tile
     parts = 64 // uniform_bits
-    while parts > 1 and rows % (8 * parts) and cols % (128 * parts):
-        parts //= 2
-    along_rows = parts == 1 or rows % (8 * parts) == 0
-    grid = (rows // parts, cols) if along_rows else (rows, cols // parts)
+    along_rows = rows % (8 * parts) == 0 or cols % (128 * parts) != 0
+    grid = (-(-rows // (8 * parts)) * 8, cols) if along_rows else (rows, cols // parts)
     position = np.arange(grid[0] * grid[1], dtype=np.uint32).reshape(grid)
     y0, y1 = hash_words(key, np.full(grid, tile_index % 2**32, np.uint32), position)
     if parts == 4:
         slabs = [(y0 & np.uint32(0xFFFF)) << np.uint32(16), y0, (y1 & np.uint32(0xFFFF)) << np.uint32(16), y1]
     else:
-        slabs = [y0, y1][:parts]
-    bits = np.concatenate(slabs, axis=0 if along_rows else 1)
+        slabs = [y0, y1]
+    bits = np.concatenate(slabs, axis=0 if along_rows else 1)[:rows]  # rows rounded up: drawn, not used
     if uniform_bits == 16:  # only the top half is the uniform
         bits = bits & np.uint32(0xFFFF0000)
     return bits

@@ -58,21 +58,25 @@ def test_golden_values(seed):
     np.testing.assert_array_equal(numpy_tiled_tile(key_data(seed).view(np.uint32), 0, (64, 1024), 32)[0, :8], expected)
 
 
-@pytest.mark.parametrize("tile,uniform_bits,layout", [
-    ((64, 1024), 16, (4, 0)), ((64, 1024), 32, (2, 0)), ((32, 2048), 16, (4, 0)), ((8, 1024), 16, (4, 1)),
-    ((16, 128), 16, (2, 0)), ((200, 256), 16, (2, 1)), ((24, 128), 16, (1, 0)), ((8, 128), 32, (1, 0)),
-    ((8, 1024), 32, (2, 1))])
-def test_layout_is_whole_vreg_slabs_of_the_tile(tile, uniform_bits, layout):
-    """docs/noise.md, The generators: rows in slabs of whole sublanes, else lanes in whole vregs, else fewer parts."""
+@pytest.mark.parametrize("tile,uniform_bits,layout,grid", [
+    ((64, 1024), 16, (4, 0), (16, 1024)), ((64, 1024), 32, (2, 0), (32, 1024)), ((32, 2048), 16, (4, 0), (8, 2048)),
+    ((8, 1024), 16, (4, 1), (8, 256)), ((8, 1024), 32, (2, 1), (8, 512)),
+    # Rows rounded up to whole sublanes per slab where the lanes do not divide: the extra rows drawn, unused.
+    ((16, 128), 16, (4, 0), (8, 128)), ((200, 256), 16, (4, 0), (56, 256)), ((24, 128), 16, (4, 0), (8, 128)),
+    ((8, 128), 32, (2, 0), (8, 128)), ((200, 256), 32, (2, 1), (200, 128))])
+def test_layout_is_whole_vreg_slabs_of_the_tile(tile, uniform_bits, layout, grid):
+    """docs/noise.md, The generators: rows in slabs of whole sublanes (rounded up), lanes in whole
+    vregs where only they divide; every hash fills 64 // uniform_bits elements."""
     assert prng.tiled_layout(tile, uniform_bits) == layout
+    assert prng.tiled_grid(tile, uniform_bits) == grid
 
 
 # (shape, uniform bits, blocks to try: None is the default), the layout of the view's tile in the comment.
 SHAPES = [
     ((256, 1024), 16, [None, Blocks(64, 1024), Blocks(128, 1024, True)]),  # (64, 1024): four row slabs per hash
     ((256, 1024), 32, [None, Blocks(128, 1024, True)]),                    # two row slabs
-    ((20, 300), 16, [Blocks(24, 128, True)]),                              # ragged, (24, 128): one element per hash
-    ((13, 300), 16, [None, Blocks(16, 256)]),                              # (16, 128): two row slabs
+    ((20, 300), 16, [Blocks(24, 128, True)]),                              # ragged, (24, 128): 32 rows drawn
+    ((13, 300), 16, [None, Blocks(16, 256)]),                              # (16, 128): four slabs of 8 rows
     ((1000,), 16, [None]),                                                 # 1-D, (8, 1024): four lane slabs
     ((1000,), 32, [None]),                                                 # two lane slabs
     ((100, 1024), 16, [Blocks(64, 1024), Blocks(128, 1024, True)]),        # (64, 1024), the last tile row cut
@@ -157,7 +161,8 @@ def attention_mask(shape, dropout_p, **options):
     ((1, 1, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
 ], ids=["ViT planes", "several tiles"])
 def test_attention_mask_is_the_references_forward_and_backward(shape, blocks):
-    """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut; (8, 128) for 264 x 300),
+    """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut, its hash grid 224 rows;
+    (8, 128) for 264 x 300),
     numbered on through the planes, whatever the blocks and planes per step; a kept weight is
     scaled by the keep probability the threshold gives."""
     expected = attention_tiled_keep(shape, 0.2)

@@ -360,7 +360,7 @@ REPRESENTATIVE = {
 
 def _compiles_tiled_dropout(generation):
     """float32 (2**24 elements in (64, 1024) tiles: four row slabs per hash; a ragged view's (24, 128)
-    tiles: one element per hash) and bfloat16 (a 1-D view's (8, 1024) tiles: four lane slabs; ViT's
+    tiles: rows rounded up to four 8-row slabs) and bfloat16 (a 1-D view's (8, 1024) tiles: four lane slabs; ViT's
     rows in (256, 256) tiles with the last tile row cut, with a residual)."""
     kernel = functools.partial(dropout.dropout, p=0.1, impl="tiled", interpret=False)
     for shape, dtype in ((ELEMENTWISE_SHAPES["large"], jnp.float32), (ELEMENTWISE_SHAPES["ragged"], jnp.float32),
@@ -371,8 +371,8 @@ def _compiles_tiled_dropout(generation):
 
 
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
-# lanes, one element per hash), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
-# ((200, 256) tiles, cut: two lane slabs per hash).
+# lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
+# ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn).
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
         functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,

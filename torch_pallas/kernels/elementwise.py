@@ -106,6 +106,8 @@ def _walk_tiled_tile(key_data_ref, tile_index, tile, uniform_bits, row_offset, c
     def piece(first):
         slabs = prng.tiled_slabs(key_data_ref, tile_index, tile, uniform_bits, first, tiling.SUBLANES)
         for part, bits in enumerate(slabs):
+            if axis == 0 and first + part * slab_rows >= tile[0]:
+                continue  # rows the hash grid rounded the tile up to: drawn, not used
             rows = row_offset + first + (part * slab_rows if axis == 0 else 0)
             cols = col_offset + (part * slab_cols if axis == 1 else 0)
             write(pl.ds(_aligned(rows, tiling.SUBLANES), tiling.SUBLANES), pl.ds(_aligned(cols, tiling.LANES), slab_cols),

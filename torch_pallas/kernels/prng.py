@@ -255,27 +255,29 @@ def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, in
     a rule of the tile's shape alone (the one place it is stated).
 
     One hash has two 32-bit words, so it fills ``parts`` = 2 elements with 32 bits, or 4 with
-    16 (``uniform_bits``). The tile is cut into ``parts`` equal slabs along ``axis``, rows (0)
-    where each slab is whole 8-row sublanes, else lanes (1) where each is whole 128-lane vregs,
-    so that placing them is a concatenation of whole vregs that Mosaic lays out; where neither
-    holds, half as many parts (two 16-bit parts take a word each), down to one part per hash
-    (its first word). The hash grid is one slab's shape.
+    16 (``uniform_bits``). The tile is cut into ``parts`` equal slabs along ``axis``, so that
+    placing them is a concatenation of whole vregs that Mosaic lays out: rows (0) in slabs of
+    whole 8-row sublanes, except where the rows do not divide into them and the lanes divide
+    into whole 128-lane vregs, lanes (1). Rows that do not divide are rounded up to a multiple
+    of ``8 * parts`` first (:func:`tiled_grid`): the rows past the tile are drawn and not used,
+    which hashes fewer positions than filling fewer parts per hash would (a (200, 256) tile:
+    four slabs of 56 rows, 224 drawn, 56 x 256 hashes, not 200 x 128 with two 16-bit parts).
+    The hash grid is one slab's shape.
     """
     rows, cols = tile
     parts = 64 // uniform_bits
-    while parts > 1:
-        if rows % (tiling.SUBLANES * parts) == 0:
-            return parts, 0
-        if cols % (tiling.LANES * parts) == 0:
-            return parts, 1
-        parts //= 2
-    return 1, 0
+    if rows % (tiling.SUBLANES * parts) and cols % (tiling.LANES * parts) == 0:
+        return parts, 1
+    return parts, 0
 
 
 def tiled_grid(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, int]:
-    """The shape of the grid of hashes that fills a ``tile`` (one slab of :func:`tiled_layout`)."""
+    """The shape of the grid of hashes that fills a ``tile`` (one slab of :func:`tiled_layout`;
+    along rows, of the tile's rows rounded up to whole sublanes in every slab)."""
     parts, axis = tiled_layout(tile, uniform_bits)
-    return (tile[0] // parts, tile[1]) if axis == 0 else (tile[0], tile[1] // parts)
+    if axis == 1:
+        return tile[0], tile[1] // parts
+    return tiling.round_up(tile[0], tiling.SUBLANES * parts) // parts, tile[1]
 
 
 def _position_counter(grid: tuple[int, int], first_row: int = 0) -> jax.Array:
@@ -294,12 +296,12 @@ def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bit
     """uint32 bits of one ``tile`` of the tiled impl: Threefry-2x32 with 13 rounds keyed by
     the call's two threefry key words, whose counter is ``(tile_index, position)`` for each
     position of the hash grid that :func:`tiled_layout` gives the tile. The grid's words fill
-    its slabs in order: for 32 bits (or two 16-bit parts) word 0 then word 1; for four 16-bit
-    parts word 0's low half, its high half, word 1's low half, its high half. An element's
+    its slabs in order: for 32 bits word 0 then word 1; for 16 bits word 0's low half, its high
+    half, word 1's low half, its high half; slabs along rows are cut to the tile's rows. An element's
     uniform is the top ``uniform_bits`` of its bits (the low 16 of a 16-bit element's are not
     random: ``bits >> 16`` is its uniform)."""
     slabs = tiled_slabs(key_data_ref, tile_index, tile, uniform_bits)
-    return slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=tiled_layout(tile, uniform_bits)[1])
+    return jnp.concatenate(slabs, axis=tiled_layout(tile, uniform_bits)[1])[:tile[0]]
 
 
 def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32, first_row=0,
@@ -318,7 +320,7 @@ def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: i
     # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
     # is there already.
     sixteen = np.uint32(16)
-    return {1: (y0,), 2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[tiled_layout(tile, uniform_bits)[0]]
+    return {2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[tiled_layout(tile, uniform_bits)[0]]
 
 
 def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
