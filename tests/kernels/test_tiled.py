@@ -161,10 +161,9 @@ def attention_mask(shape, dropout_p, **options):
     ((1, 1, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
 ], ids=["ViT planes", "several tiles"])
 def test_attention_mask_is_the_references_forward_and_backward(shape, blocks):
-    """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut, its hash grid 224 rows;
-    (8, 128) for 264 x 300),
-    numbered on through the planes, whatever the blocks and planes per step; a kept weight is
-    scaled by the keep probability the threshold gives."""
+    """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut, its hash grid's rows
+    rounded up to 224; (8, 128) for 264 x 300), numbered on through the planes, whatever the
+    blocks and planes per step; a kept weight is scaled by the keep probability the threshold gives."""
     expected = attention_tiled_keep(shape, 0.2)
     for options in blocks:
         out, backward = attention_mask(shape, 0.2, **options)
