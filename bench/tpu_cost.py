@@ -208,7 +208,8 @@ def measure(function, args, generation, branches=False):
     return {
         "compile_s": seconds, "memory": memory, "cost": cost,
         "serialized_bytes": len(compiled.runtime_executable().serialize()), "hlo_text_chars": len(compiled.as_text()),
-        "bundles": bundles, "valu_ops": valu_ops, "grid_steps": schedules[0]["grid_trip"], "max_valu_per_bundle": max_valu,
+        "bundles": bundles, "valu_ops": valu_ops, "grid_steps": schedules[0]["grid_trip"],
+        "max_valu_per_bundle": max_valu,
     }
 
 
