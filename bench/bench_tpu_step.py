@@ -179,14 +179,14 @@ def step_outputs(model, batch, variant: str) -> list:
     model.train(variant != "no dropout").zero_grad(set_to_none=True)
     with tpu_compile.lowering_for_tpu():  # inside: impl="hardware" is accepted only while lowering for TPU
         impl, route = routing(variant)
-    with tpu_compile.lowering_for_tpu(), route or contextlib.nullcontext():
-        # The default impl too: register_attention's function (attn_implementation="torch_pallas") takes it.
-        torch_pallas.random.set_default_impl(impl)
-        try:
-            loss = model(**batch).loss
-            loss.backward()
-        finally:
-            torch_pallas.random.set_default_impl(None)
+        with route or contextlib.nullcontext():
+            # The default impl too: register_attention's function (attn_implementation="torch_pallas") takes it.
+            torch_pallas.random.set_default_impl(impl)
+            try:
+                loss = model(**batch).loss
+                loss.backward()
+            finally:
+                torch_pallas.random.set_default_impl(None)
     return [loss, *(parameter.grad for parameter in model.parameters() if parameter.grad is not None)]
 
 
