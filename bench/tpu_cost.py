@@ -21,10 +21,10 @@ interpret=False). Reported:
   the static schedule (``torch_pallas.tpu_schedule.static_schedule``). Every loop's bundles are counted once per iteration (its trip count read from its
   ``loop exit test``); the grid loop's two pipeline stages that skip the body are left out. This
   gives the kernel's bundle count (= cycles if nothing stalls) per TensorCore, and its vector-ALU
-  operations (``v*`` ops but loads, stores, syncs, vrng and the EUP's push/pop) per element. For
-  dropout_matmul, per weight; its kernels initialise and write their accumulators under ``pl.when``,
-  so they are counted by ``tpu_schedule.executed_schedule`` (below), and the matrix units' and
-  cross-lane units' ops in their bundles are not counted as VALU ops;
+  operations (``tpu_schedule.vector_unit``: ``v*`` ops but the matrix, cross-lane and EUP units',
+  loads, stores, syncs, vrng and logic on compare masks) per element. For dropout_matmul, per
+  weight; its kernels initialise and write their accumulators under ``pl.when``, so they are
+  counted by ``tpu_schedule.executed_schedule`` (below);
 - the roofline: HBM bytes (from the BlockSpecs) at the published bandwidth vs the schedule's cycles
   at the clock (constants in ``torch_pallas.tpu_schedule.HARDWARE``).
 
@@ -186,7 +186,7 @@ def measure(function, args, generation, branches=False):
     Bundles and VALU ops are the static schedule's (every conditional region on every grid step: exact
     for kernels that branch only around their pipeline's first and last steps), or with ``branches``
     (kernels that initialise and write accumulators under ``pl.when``) executed_schedule's, their
-    VALU ops told from the matrix and cross-lane units' by ``tpu_cost_attention.unit_of``."""
+    VALU ops told from the matrix and cross-lane units' by ``tpu_schedule.vector_unit``."""
     with tpu_compile.compiler_dumps() as dumps:
         start = time.perf_counter()
         compiled = tpu_compile.compile_for_tpu(function, *args, generation=generation)
@@ -198,7 +198,7 @@ def measure(function, args, generation, branches=False):
     if branches:
         # These kernels' bundles also hold matrix-unit and cross-lane ops: VALU ops are counted by unit.
         runs = [tpu_schedule.executed_schedule(dump, generation) for dump in kernels]
-        valu = [(count, sum(tpu_cost_attention.unit_of(op) == "VALU" for op in ops))
+        valu = [(count, sum(tpu_schedule.vector_unit(op) == "VALU" for op in ops))
                 for run in runs for count, ops in zip(run["counts"], run["ops"])]
         bundles = sum(run["bundles"] for run in runs)
         valu_ops, max_valu = sum(count * ops for count, ops in valu), max(ops for _, ops in valu)

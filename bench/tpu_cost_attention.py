@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import sys
 import time
 
@@ -56,26 +55,7 @@ MATH = "torch math p=0.1"
 PROGRAMS = tuple(name for name, _, _ in OURS) + JAX_FLASH + (MATH,)
 PASSES = ("forward", "forward+backward")
 
-# Vector ops by the unit that executes them (the rest are the vector ALUs'): the matrix units
-# (pushes, matmuls, result pops), the cross-lane units (permutes, lane reductions, their pops), the
-# EUP's transcendentals (exp is vpow2 after a multiply by log2(e)) and their pops, VMEM loads and
-# stores; bookkeeping ops that issue in no ALU slot are left out, and so is logic on compare masks
-# (vmor, vmand, vmpackc: beside a bundle's full VALU slots, e.g. v4's two ops and a vmand).
-_UNITS = (("MXU", re.compile(r".*\.mxu\d.*|vmatmul.*|vmatpush.*|vlatch.*|vdwg.*")),
-          ("XLU", re.compile(r".*\.xlu\d.*|vxpose.*")),
-          ("EUP", re.compile(r"v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos|erf)\.f32|vpop\.eup")),
-          ("vld", re.compile(r"vld.*")), ("vst", re.compile(r"vst.*")),
-          (None, re.compile(r"v(sync|phi|mmov|rng|trace|delay|set|nop|wait|setiar|mor|mand|mxor|mnot|mpack).*")))
 UNITS = ("VALU", "EUP", "MXU", "XLU", "vld", "vst")
-
-
-def unit_of(op):
-    if not op.startswith("v"):
-        return None
-    for unit, pattern in _UNITS:
-        if pattern.fullmatch(op):
-            return unit
-    return "VALU"
 
 
 def unit_ops(run):
@@ -84,7 +64,7 @@ def unit_ops(run):
     for count, ops in zip(run["counts"], run["ops"]):
         if count:
             for op in ops:
-                unit = unit_of(op)
+                unit = tpu_schedule.vector_unit(op)
                 if unit:
                     totals[unit] += count
     return totals

@@ -75,9 +75,29 @@ def _hardware(generation: str, *needed: str) -> Hardware:
 
 # --- bundles -----------------------------------------------------------------------------------------------------
 
-# Vector ops that use no vector-ALU slot: VMEM loads/stores, syncs, phis, mask moves, the hardware
-# PRNG's draw (vrng: bundled with four VALU ops), the EUP's transcendental pushes and result pops.
-NOT_VALU = re.compile(r"v(ld|st|syncpa|syncadd|pop\.eup|phi|mmov|rng)|v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos)\.f32")
+# Vector ops by the unit that executes them; every other vector op is the vector ALUs' ("VALU"). The
+# matrix units (pushes, matmuls, result pops), the cross-lane units (permutes, lane reductions, their
+# pops), the EUP's transcendentals (exp is vpow2 after a multiply by log2(e)) and their pops, VMEM
+# loads and stores; ``None``: ops that issue in no ALU slot: syncs, phis, mask moves, the hardware
+# PRNG's draw (vrng: bundled with four VALU ops), and logic on compare masks (vmor, vmand, vmpackc:
+# beside a bundle's full VALU slots, e.g. v4's two ops and a vmand).
+VECTOR_UNITS = (
+    ("MXU", re.compile(r".*\.mxu\d.*|vmatmul.*|vmatpush.*|vlatch.*|vdwg.*")),
+    ("XLU", re.compile(r".*\.xlu\d.*|vxpose.*")),
+    ("EUP", re.compile(r"v(rcp|rsqrt|log2|exp2?|pow2?|tanh|sin|cos|erf)\.f32|vpop\.eup")),
+    ("vld", re.compile(r"vld.*")), ("vst", re.compile(r"vst.*")),
+    (None, re.compile(r"v(sync|phi|mmov|rng|trace|delay|set|nop|wait|setiar|mor|mand|mxor|mnot|mpack).*")))
+
+
+def vector_unit(op: str) -> str | None:
+    """The unit that executes bundle op ``op`` (:data:`VECTOR_UNITS`, else ``"VALU"``); ``None``
+    for a scalar op or one that takes no ALU slot."""
+    if not op.startswith("v"):
+        return None
+    for unit, pattern in VECTOR_UNITS:
+        if pattern.fullmatch(op):
+            return unit
+    return "VALU"
 _BUNDLE = re.compile(r"\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{(.*)$")
 
 
@@ -130,7 +150,7 @@ def static_schedule(dump: str) -> dict:
     """
     bundles = _bundles(dump)
     loops = _loops(bundles)
-    valu = [sum(1 for op in ops if op.startswith("v") and not NOT_VALU.fullmatch(op)) for _, _, ops, _ in bundles]
+    valu = [sum(vector_unit(op) == "VALU" for op in ops) for _, _, ops, _ in bundles]
     # The grid loop (the outermost) runs two more iterations than grid steps, the pipeline's first
     # copy-in and last copy-out, which branch around the body: count the body grid-steps times.
     outermost = [loop for loop in loops if not any(o[0] <= loop[0] and loop[1] <= o[1] and o != loop for o in loops)]
