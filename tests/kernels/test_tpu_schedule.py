@@ -136,3 +136,14 @@ def test_estimates_enabled_after_libtpu_started_raise_with_the_flags():
     with pytest.raises(RuntimeError, match="enable_estimates must be called before"):
         tpu_compile.enable_estimates()
     assert tpu_compile._libtpu["dump_directory"] is None  # the refusal changed nothing
+
+
+@pytest.mark.parametrize("op,unit", [
+    ("vadd.s32", "VALU"), ("vsel", "VALU"), ("vcmp.lt.s32.totalorder", "VALU"), ("vmatpush.msra.mxu0", "MXU"),
+    ("vmatmul.f32.gmr.mxu1", "MXU"), ("vpop.f32.mrf.xlu0", "XLU"), ("vpow2.f32", "EUP"), ("vpop.eup", "EUP"),
+    ("vld", "vld"), ("vstv", "vst"), ("vst.msk", "vst"), ("vmand", None), ("vrng", None), ("vsyncadd", None),
+    ("sadd.s32", None)])
+def test_bundle_ops_are_told_by_the_unit_that_issues_them(op, unit):
+    """What the VALU counts leave out: other units' ops, loads and stores, and ops that take no ALU slot
+    (mask logic, the hardware PRNG's draw, syncs, scalar ops)."""
+    assert tpu_schedule.vector_unit(op) == unit
