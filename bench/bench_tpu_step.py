@@ -415,14 +415,14 @@ def render(records: list) -> str:
                 def find(attention_name, variant):
                     return by.get((model_name, attention_name, variant, generation, stack_name))
 
-                label = generation if stack_name == "xla" else f"{generation} ({stack_name})"
+                generation_label = place_label(generation, stack_name)
                 torch_row = find(REFERENCE_ATTENTION[attention], "torch")
                 own = next(filter(None, (find(attention, variant) for variant in ROUTED_VARIANTS)), {})
                 if torch_row is None or "unavailable" in torch_row or "unavailable" in own:
                     reason = own.get("unavailable") or (torch_row or {}).get("unavailable", "not measured")
-                    rows.append([model_name, attention, label, reason] + [""] * (len(COLUMNS) - 4))
+                    rows.append([model_name, attention, generation_label, reason] + [""] * (len(COLUMNS) - 4))
                     continue
-                cells = [model_name, attention, label, f"{torch_row['peak_bytes'] / 2**20:.0f}",
+                cells = [model_name, attention, generation_label, f"{torch_row['peak_bytes'] / 2**20:.0f}",
                          _ms(torch_row.get("estimate_s"))]
                 for variant in (*ROUTED_VARIANTS, "no dropout"):
                     row = find(attention if variant != "no dropout" else REFERENCE_ATTENTION[attention], variant)
@@ -485,6 +485,11 @@ COLUMNS = ("model", "attention", "generation", "torch: peak HBM (MiB)", "torch: 
            "no dropout / torch: peak / step", "kernels")
 
 
+def place_label(generation: str, stack_name: str) -> str:
+    """A generation as the tables name it: the torchax stack's marked, its libtpu not the xla stack's."""
+    return generation if stack_name == "xla" else f"{generation} ({stack_name})"
+
+
 def render_breakdown(records: list) -> str:
     """Where the estimated step time goes (:func:`breakdown`), for every place whose ``torch`` row
     records it, each variant measured there beside it; "" when none does."""
@@ -500,7 +505,7 @@ def render_breakdown(records: list) -> str:
                     if row is None or "seconds_by_kind" not in row:
                         continue
                     kinds = row["seconds_by_kind"]
-                    cells = [model_name, attention, place[2], label(variant), _ms(row["estimate_s"])]
+                    cells = [model_name, attention, place_label(*place[2:]), label(variant), _ms(row["estimate_s"])]
                     for kind in ("kernel", "fusion"):
                         part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
                         cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
