@@ -1,7 +1,8 @@
 """Attention over few keys on the TPU compiler: the flash kernels against XLA's own attention.
 
     .venv/xla/bin/python bench/tpu_short_attention.py                # libtpu 0.0.21: v4, v5e, v5p, v6e
-    .venv/torchax/bin/python bench/tpu_short_attention.py            # libtpu 0.0.52: v5e, v5p, v6e
+    .venv/torchax/bin/python bench/tpu_short_attention.py            # libtpu 0.0.52: the same (TPU7x's clock
+                                                                     # is unpublished: no time for it)
 
 Where the step table's rows with few keys come from (``bench/results/tpu_step.md``: GPT-2 and
 BERT at 8 x 128 tokens, ViT-B/16's 197 patches). One program per row, float32 forward+backward
