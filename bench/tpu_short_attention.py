@@ -17,7 +17,10 @@ runs), at the models' attention shapes (B, H, L, E): (8, 12, 128, 64) and (32, 1
   what XLA makes of it, fused as it chooses;
 - each also with its operands as a transformers model holds them, ``(B, L, H * E)`` (the
   projections' output), viewed ``(B, H, L, E)`` for the attention and the output viewed back:
-  the layout copies XLA adds around a kernel, or folds into its own fusions.
+  the copies XLA adds around a kernel (a Mosaic kernel takes row-major operands, where XLA lays
+  out a program's inputs as it prefers: ``f32[32, 197, 768]`` with its batch dim tiled,
+  ``{2,0,1}``), or reads through in its own fusions. In a whole step the producers' layouts
+  decide what is copied; these programs do not say.
 
 Reported: the whole program's schedule in µs (``tpu_peers.program_schedule``: every fusion and
 kernel counted by ``tpu_schedule.executed_schedule``, bundles / clock), its HBM time (bytes the
@@ -119,7 +122,9 @@ def report(records) -> str:
              "on a TPU). float32 forward+backward of softmax attention at each model's attention shape; per "
              "generation: the whole program's schedule / HBM time in µs (the longer, which bounds it, in bold) / peak "
              "MiB. `(B, L, H*E)`: the operands as a transformers model holds them, viewed `(B, H, L, E)` for the "
-             "attention (layout copies included). `XLA p=0`: `softmax(q @ k.T * scale) @ v` in jax.numpy, fused as "
+             "attention, layout copies included (XLA lays out a program's inputs as it prefers, `f32[32, 197, 768]` "
+             "with its batch dim tiled, and a Mosaic kernel takes row-major operands: in a step the producers' "
+             "layouts decide what is copied). `XLA p=0`: `softmax(q @ k.T * scale) @ v` in jax.numpy, fused as "
              "XLA chooses.", ""]
     for libtpu in sorted({r["libtpu"] for r in records}):
         rows_here = [r for r in records if r["libtpu"] == libtpu]
