@@ -1,4 +1,4 @@
-"""What a training step's HBM holds at its peak, as libtpu's buffer assignment plans it.
+"""What a training step's HBM holds at its peak, as libtpu's buffer assignment plans it, and what XLA copies.
 
     .venv/xla/bin/python bench/tpu_peak.py --model vit --attention eager \\
         --variants "torch_pallas hardware" torch --generation v6e
@@ -8,8 +8,11 @@ XLA's dumps (``tpu_compile.compile_graph(..., dump_to=...)``), reads the compile
 ``after_optimizations-buffer-assignment.txt`` and reports, for the block of temporaries in HBM
 (the largest ``preallocated-temp`` allocation without a memory color), its size, the most bytes
 live in it at once and the largest buffers live then, each with its shape and layout (a layout's
-tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per row). Written to
-``results/tpu_peak.{json,md}``, rows of earlier runs of other steps or at other commits kept.
+tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per row); and from the
+optimised HLO (``*after_optimizations.txt``), the layout copies XLA added (``copy`` and
+``copy-start``: how many, their bytes, the largest by the value they copy, named by its source
+op and its shape and layout). Written to ``results/tpu_peak.{json,md}``, rows of earlier runs of
+other steps or at other commits kept.
 
 Read the block's live bytes, not the dump's "Stack trace breakdown for peak usage": that counts
 parameters and the sources of asynchronous copies too, so two steps' figures there do not compare
@@ -81,6 +84,34 @@ def heap_peak(buffer_assignment: str) -> HeapPeak:
     return HeapPeak(heap[0], live_bytes[position], position, tuple(live))
 
 
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "s8": 1, "u8": 1, "pred": 1}
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\](\{[^}]*\})? copy(?:-start)?\(")
+
+
+def layout_copies(hlo: str, top: int) -> dict:
+    """The copies in an optimised HLO module's text: ``count``, ``bytes`` (each copy's result: what
+    it writes) and the ``largest`` groups of them by (source op, shape and layout), as
+    ``[bytes, count, shape, source]``."""
+    groups = {}
+    for line in hlo.splitlines():
+        found = _COPY.search(line)
+        if not found:
+            continue
+        dtype, dims, layout = found[1], found[2], found[3] or ""
+        size = _DTYPE_BYTES.get(dtype, 4)
+        for dim in filter(None, dims.split(",")):
+            size *= int(dim)
+        source = re.search(r'op_name="([^"]*)"', line)
+        # The op's kind, not its instance: "dot.1067" and "dot.912" copy alike.
+        key = (f"{dtype}[{dims}]{layout}", re.sub(r"\.\d+$", "", source[1].rsplit("/", 1)[-1]) if source else "")
+        total, count = groups.get(key, (0, 0))
+        groups[key] = (total + size, count + 1)
+    largest = sorted(groups.items(), key=lambda item: -item[1][0])[:top]
+    return {"count": sum(count for _, count in groups.values()), "bytes": sum(total for total, _ in groups.values()),
+            "largest": [[total, count, shape, source] for (shape, source), (total, count) in largest]}
+
+
 def measure(model, batch, variant: str, generation: str, top: int) -> dict:
     import bench_tpu_step
 
@@ -91,11 +122,13 @@ def measure(model, batch, variant: str, generation: str, top: int) -> dict:
         compiled = tpu_compile.compile_graph(outputs, generation, dump_to=directory)
         [path] = Path(directory).glob("*after_optimizations-buffer-assignment.txt")
         peak = heap_peak(path.read_text())
+        [hlo] = Path(directory).glob("*after_optimizations.txt")
+        copies = layout_copies(hlo.read_text(), top)
     del outputs
     model.zero_grad(set_to_none=True)
     return {"variant": variant, "generation": generation, "commit": commit(), "peak_bytes": compiled.peak_bytes,
             "heap_bytes": peak.heap_bytes, "live_bytes": peak.live_bytes,
-            "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]]}
+            "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]], "copies": copies}
 
 
 def render(records: list) -> str:
@@ -103,20 +136,28 @@ def render(records: list) -> str:
              "chip by libtpu's compile-only client with XLA's dumps (`compile_graph(..., dump_to=...)`); from its "
              "buffer assignment: the block of temporaries in HBM (MiB), the most bytes live in it at once, and "
              "the largest buffers live then with their layouts (`T(8,128)`: 128 lanes per row; an f32 "
-             "`[...,197,64]` array takes twice its bytes). Compiler plans, not TPU measurements. Each model and "
+             "`[...,197,64]` array takes twice its bytes); from its optimised HLO, the layout copies XLA added "
+             "(count and MiB written; per step, the largest by the value copied: its shape and layout, and the op "
+             "it comes from). Compiler plans, not TPU measurements. Each model and "
              "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
              "do not depend on the machine's load.\n\n")
     table = markdown_table(
         ["model", "attention", "variant", "generation", "commit", "peak HBM (MiB)", "temporaries (MiB)",
-         "live at their peak (MiB)"],
+         "live at their peak (MiB)", "copies: count: MiB"],
         [[r["model"], r["attention"], r["variant"], r["generation"], r.get("commit", "—"),
-          f"{r['peak_bytes'] / MIB:.1f}", f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}"]
+          f"{r['peak_bytes'] / MIB:.1f}", f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}",
+          f"{r['copies']['count']}: {r['copies']['bytes'] / MIB:.0f}" if "copies" in r else "—"]
          for r in records])
     for r in records:
         table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r.get('commit', '—')}): "
                   "largest buffers live at the peak\n\n" + markdown_table(["MiB", "shape and layout", "buffer"],
                                                   [[f"{size / MIB:.2f}", f"`{shape}`", name]
                                                    for size, shape, name in r["largest_live"]]))
+        if "copies" in r:
+            table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r['commit']}): largest "
+                      "layout copies\n\n" + markdown_table(["MiB", "copies", "shape and layout", "copied value's op"],
+                                                          [[f"{size / MIB:.1f}", count, f"`{shape}`", source]
+                                                           for size, count, shape, source in r["copies"]["largest"]]))
     return notes + table
 
 
