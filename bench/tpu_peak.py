@@ -9,9 +9,10 @@ XLA's dumps (``tpu_compile.compile_graph(..., dump_to=...)``), reads the compile
 (the largest ``preallocated-temp`` allocation without a memory color), its size, the most bytes
 live in it at once and the largest buffers live then, each with its shape and layout (a layout's
 tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per row); and from the
-optimised HLO (``*after_optimizations.txt``), the layout copies XLA added (``copy`` and
-``copy-start``: how many, their bytes, the largest by the value they copy, named by its source
-op and its shape and layout). Written to ``results/tpu_peak.{json,md}``, rows of earlier runs of
+optimised HLO (``*after_optimizations.txt``), the copies XLA added (``copy`` ops: layout changes,
+and some moves into on-chip memory, ``S(1)`` in the layout; the asynchronous ``copy-start``
+prefetches are not counted): how many, their bytes, the largest by the value they copy, named by
+its shape and layout and the op it comes from. Written to ``results/tpu_peak.{json,md}``, rows of earlier runs of
 other steps or at other commits kept.
 
 Read the block's live bytes, not the dump's "Stack trace breakdown for peak usage": that counts
@@ -86,12 +87,12 @@ def heap_peak(buffer_assignment: str) -> HeapPeak:
 
 _DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "s8": 1, "u8": 1, "pred": 1}
-_COPY = re.compile(r"= (\w+)\[([\d,]*)\](\{[^}]*\})? copy(?:-start)?\(")
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\](\{[^}]*\})? copy\(")
 
 
 def layout_copies(hlo: str, top: int) -> dict:
-    """The copies in an optimised HLO module's text: ``count``, ``bytes`` (each copy's result: what
-    it writes) and the ``largest`` groups of them by (source op, shape and layout), as
+    """The ``copy`` ops in an optimised HLO module's text: ``count``, ``bytes`` (each copy's result:
+    what it writes) and the ``largest`` groups of them by (source op, shape and layout), as
     ``[bytes, count, shape, source]``."""
     groups = {}
     for line in hlo.splitlines():
@@ -136,9 +137,10 @@ def render(records: list) -> str:
              "chip by libtpu's compile-only client with XLA's dumps (`compile_graph(..., dump_to=...)`); from its "
              "buffer assignment: the block of temporaries in HBM (MiB), the most bytes live in it at once, and "
              "the largest buffers live then with their layouts (`T(8,128)`: 128 lanes per row; an f32 "
-             "`[...,197,64]` array takes twice its bytes); from its optimised HLO, the layout copies XLA added "
-             "(count and MiB written; per step, the largest by the value copied: its shape and layout, and the op "
-             "it comes from). Compiler plans, not TPU measurements. Each model and "
+             "`[...,197,64]` array takes twice its bytes); from its optimised HLO, the `copy` ops XLA added (layout "
+             "changes, and some moves into on-chip memory, `S(1)`; not the asynchronous prefetches): count and MiB "
+             "written, and per step the largest by the value copied: its shape and layout, and the op it comes "
+             "from. Compiler plans, not TPU measurements. Each model and "
              "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
              "do not depend on the machine's load.\n\n")
     table = markdown_table(
@@ -155,7 +157,7 @@ def render(records: list) -> str:
                                                    for size, shape, name in r["largest_live"]]))
         if "copies" in r:
             table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r['commit']}): largest "
-                      "layout copies\n\n" + markdown_table(["MiB", "copies", "shape and layout", "copied value's op"],
+                      "copies\n\n" + markdown_table(["MiB", "copies", "shape and layout", "copied value's op"],
                                                           [[f"{size / MIB:.1f}", count, f"`{shape}`", source]
                                                            for size, count, shape, source in r["copies"]["largest"]]))
     return notes + table
