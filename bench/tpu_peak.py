@@ -85,29 +85,26 @@ def heap_peak(buffer_assignment: str) -> HeapPeak:
     return HeapPeak(heap[0], live_bytes[position], position, tuple(live))
 
 
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "s8": 1, "u8": 1, "pred": 1}
-_COPY = re.compile(r"= (\w+)\[([\d,]*)\](\{[^}]*\})? copy\(")
+_COPY = re.compile(r"= (\S+) copy\(")  # a copy instruction and its result's type
 
 
 def layout_copies(hlo: str, top: int) -> dict:
     """The ``copy`` ops in an optimised HLO module's text: ``count``, ``bytes`` (each copy's result:
     what it writes) and the ``largest`` groups of them by (source op, shape and layout), as
     ``[bytes, count, shape, source]``."""
+    from torch_pallas import tpu_schedule
+
     groups = {}
     for line in hlo.splitlines():
         found = _COPY.search(line)
         if not found:
             continue
-        dtype, dims, layout = found[1], found[2], found[3] or ""
-        size = _DTYPE_BYTES.get(dtype, 4)
-        for dim in filter(None, dims.split(",")):
-            size *= int(dim)
+        [(dtype, dims, layout)] = tpu_schedule.HLO_ARRAY.findall(found[1])
         source = re.search(r'op_name="([^"]*)"', line)
         # The op's kind, not its instance: "dot.1067" and "dot.912" copy alike.
-        key = (f"{dtype}[{dims}]{layout}", re.sub(r"\.\d+$", "", source[1].rsplit("/", 1)[-1]) if source else "")
+        key = (f"{dtype}[{dims}]{{{layout}}}", re.sub(r"\.\d+$", "", source[1].rsplit("/", 1)[-1]) if source else "")
         total, count = groups.get(key, (0, 0))
-        groups[key] = (total + size, count + 1)
+        groups[key] = (total + tpu_schedule.array_bytes(dtype, dims), count + 1)
     largest = sorted(groups.items(), key=lambda item: -item[1][0])[:top]
     return {"count": sum(count for _, count in groups.values()), "bytes": sum(total for total, _ in groups.values()),
             "largest": [[total, count, shape, source] for (shape, source), (total, count) in largest]}

@@ -98,6 +98,8 @@ def vector_unit(op: str) -> str | None:
         if pattern.fullmatch(op):
             return unit
     return "VALU"
+
+
 _BUNDLE = re.compile(r"\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{(.*)$")
 
 
@@ -538,13 +540,15 @@ _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.-]+) = (.*?) ([\w-]+)\((.*?)\)(?:
 _CONTROL_FLOW = ("while", "call", "conditional")
 
 
-def _array_bytes(dtype, dims):
+def array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array of element type ``dtype`` and dimensions ``dims`` (as :data:`HLO_ARRAY`
+    reads them: ``"f32"``, ``"32,197,768"``)."""
     return math.prod(int(d) for d in dims.split(",") if d) * (_BITS.get(dtype) or int(re.sub(r"\D", "", dtype))) // 8
 
 
 def _hbm_arrays(type_text):
     """Bytes of each array in an HLO type that lives in HBM (no ``S(n)`` memory space: S(1) is VMEM)."""
-    return [0 if "S(" in layout else _array_bytes(dtype, dims) for dtype, dims, layout in HLO_ARRAY.findall(type_text)]
+    return [0 if "S(" in layout else array_bytes(dtype, dims) for dtype, dims, layout in HLO_ARRAY.findall(type_text)]
 
 
 def entry_computation(hlo: str) -> str:
@@ -584,7 +588,7 @@ def hbm_bytes_by_instruction(hlo: str) -> dict:
             # HBM traffic where it lives in HBM (a prefetch into VMEM, S(1), reads HBM once).
             destination_index = 0 if op == "copy-start" else 1
             dtype, dims, _ = HLO_ARRAY.findall(type_text)[destination_index]
-            size = _array_bytes(dtype, dims)
+            size = array_bytes(dtype, dims)
             source = _hbm_arrays(types.get(operands.strip("%"), ""))
             moved[name] = (size if source and source[0] else 0) + (size if results[destination_index] else 0)
             continue
