@@ -59,10 +59,6 @@ LAYOUTS = ("(B, H, L, E)", "(B, L, H*E)")
 RESULTS = Path(__file__).parent / "results" / "tpu_short_attention"
 
 
-def _ours(key, q, k, v, *, dropout_p, impl):
-    return tpu_cost_attention._ours(key, q, k, v, dropout_p=dropout_p, impl=impl, causal=False)
-
-
 def _xla(key, q, k, v):
     del key
     weights = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1]), axis=-1)
@@ -72,23 +68,25 @@ def _xla(key, q, k, v):
 def program(name: str, shape, layout: str):
     """(forward+backward function of (key, q, k, v, grad), its argument specs)."""
     B, H, L, E = shape
-    attend = _xla if name == XLA else functools.partial(
-        _ours, **{k: v for k, v in zip(("dropout_p", "impl"), next(o[1:] for o in OURS if o[0] == name))})
+    if name == XLA:
+        attend = _xla
+    else:
+        _, dropout_p, impl = next(o for o in OURS if o[0] == name)
+        attend = functools.partial(tpu_cost_attention._ours, dropout_p=dropout_p, impl=impl, causal=False)
     if layout == LAYOUTS[0]:
-        def function(key, q, k, v, grad):
-            out, pullback = jax.vjp(lambda q, k, v: attend(key, q, k, v), q, k, v)
-            return out, *pullback(grad)
+        def forward(key, q, k, v):
+            return attend(key, q, k, v)
         spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     else:
         def heads(x):
             return x.reshape(B, L, H, E).transpose(0, 2, 1, 3)
 
-        def function(key, q, k, v, grad):
-            def forward(q, k, v):
-                return attend(key, heads(q), heads(k), heads(v)).transpose(0, 2, 1, 3).reshape(B, L, H * E)
-            out, pullback = jax.vjp(forward, q, k, v)
-            return out, *pullback(grad)
+        def forward(key, q, k, v):
+            return attend(key, heads(q), heads(k), heads(v)).transpose(0, 2, 1, 3).reshape(B, L, H * E)
         spec = jax.ShapeDtypeStruct((B, L, H * E), jnp.float32)
+
+    def function(key, q, k, v, grad):
+        return tpu_cost_attention._vjp(functools.partial(forward, key))(q, k, v, grad)
     return function, (tpu_cost_attention.KEY, spec, spec, spec, spec)
 
 
