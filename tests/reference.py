@@ -217,7 +217,10 @@ def numpy_tiled_view(key, view, tile, uniform_bits, first_tile=0, hash_words=til
 
 def tiled_bits(seed, shape, uniform_bits=32):
     """uint32 bits of the tiled impl for an elementwise tensor of ``shape`` (its 2-D view and the
-    hardware impl's tiles: tiling.view_2d, tiling.hardware_tile), 16-bit ones masked to their top half."""
+    hardware impl's tiles: tiling.view_2d, tiling.hardware_tile; of the tensor with its first two
+    dims swapped where tiling.first_dims_swapped), 16-bit ones masked to their top half."""
+    if tiling.first_dims_swapped(shape):
+        return tiled_bits(seed, (shape[1], shape[0], *shape[2:]), uniform_bits).swapaxes(0, 1)
     view = tiling.view_2d(shape)
     key = key_data(seed).view(np.uint32)
     return numpy_tiled_view(key, view, tiling.hardware_tile(*view), uniform_bits).reshape(shape)

@@ -1,6 +1,8 @@
 """The dropout kernel: its mask is jax.random.bernoulli's, for any blocks (TPU compilation: test_tpu_compile.py)."""
 
 
+import re
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -109,3 +111,12 @@ def test_result_is_held_in_its_own_layout_where_reshaping_it_is_a_copy(shape, dt
     hlo = dropout.lower(jnp.asarray(key_data(0)), jax.ShapeDtypeStruct(shape, dtype), p=0.1,
                         interpret=True).as_text()
     assert ("optimization_barrier" in hlo) == held
+
+
+def test_per_tile_impls_read_a_tensor_xla_holds_swapped_in_that_layout():
+    """No barrier: (8, 197, 256) goes to the kernel as (197, 8, 256), the bytes of XLA's
+    {2,0,1} layout of it on TPU, and comes back by the inverse transpose."""
+    hlo = dropout.lower(jnp.asarray(key_data(0)), jax.ShapeDtypeStruct((8, 197, 256), jnp.float32), p=0.1,
+                        impl="tiled", interpret=True).as_text()
+    assert "optimization_barrier" not in hlo
+    assert re.search(r"transpose.*\(tensor<8x197x256xf32>\) -> tensor<197x8x256xf32>", hlo)

@@ -77,6 +77,15 @@ def test_view_is_the_tensors_own_rows_when_they_are_whole_lanes(shape, view):
     assert tiling.view_2d(shape) == view
 
 
+@pytest.mark.parametrize("shape,swapped", [
+    ((32, 197, 768), True), ((8, 13, 256), True), ((32, 200, 768), False), ((4, 197, 768), False),
+    ((32, 197, 100), False), ((32, 197), False), ((2, 32, 197, 768), False)])
+def test_first_dims_are_swapped_where_xla_lays_the_batch_in_the_sublanes(shape, swapped):
+    """docs/noise.md, The generators: the per-tile impls' view of a (B, L, C) tensor with L off
+    whole sublanes and B on them is (L, B, C)'s rows."""
+    assert tiling.first_dims_swapped(shape) == swapped
+
+
 @pytest.mark.parametrize("view,tile", [
     ((4096, 1024), (64, 1024)), ((16, 1024), (16, 1024)), ((1, 1000), (8, 1024)), ((13, 300), (16, 128)),
     ((20, 300), (24, 128)), ((2, 3072), (8, 1024)), ((100, 384), (104, 128)), ((2048, 128), (512, 128)),

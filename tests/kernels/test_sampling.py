@@ -266,6 +266,22 @@ def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shap
         elementwise.per_tile_view(shard, global_shape)
 
 
+@pytest.mark.parametrize("impl", ["hardware", "tiled"])
+def test_per_tile_noise_of_a_tensor_xla_holds_swapped_is_the_swapped_tensors(emulated_hardware_prng, impl):
+    """docs/noise.md, The generators: (16, 13, 256) is drawn as (13, 16, 256)'s rows, XLA's
+    layout of it on TPU, not as its own (208, 256) rows."""
+    noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(7)), transform=as_int32,
+                              out_dtype=jnp.int32, impl=impl, interpret=True)
+    got = np.asarray(noise((16, 13, 256)))
+    np.testing.assert_array_equal(got, np.asarray(noise((13, 16, 256))).swapaxes(0, 1))
+    assert not np.array_equal(got.reshape(208, 256), np.asarray(noise((208, 256))))
+
+
+def test_per_tile_shards_of_a_tensor_xla_holds_swapped_are_refused():
+    with pytest.raises(ValueError, match=r"shard of shape \(8, 13, 256\).*first two dims swapped.*threefry"):
+        elementwise.per_tile_view((8, 13, 256), (16, 13, 256), impl="tiled")
+
+
 @pytest.mark.parametrize("shape,blocks", [((256, 1024), [Blocks(64, 1024), Blocks(128, 1024, True), Blocks(256, 1024)]),
                                           ((13, 300), [Blocks(16, 128), Blocks(16, 256, True)]),
                                           ((3, 5, 700), [Blocks(16, 256), Blocks(16, 768, True)]),

@@ -80,6 +80,7 @@ SHAPES = [
     ((1000,), 16, [None]),                                                 # 1-D, (8, 1024): four lane slabs
     ((1000,), 32, [None]),                                                 # two lane slabs
     ((100, 1024), 16, [Blocks(64, 1024), Blocks(128, 1024, True)]),        # (64, 1024), the last tile row cut
+    ((16, 13, 1024), 16, [None, Blocks(64, 1024), Blocks(128, 1024, True)]), # seen as (13, 16, 1024): (64, 1024) tiles
 ]
 
 

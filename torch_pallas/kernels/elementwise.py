@@ -164,14 +164,22 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
 
     The noise is drawn per tile (:func:`tiling.hardware_tile`) of the whole tensor's
     view, padded to whole tiles: the elements of ``global_shape[1:]`` in one row for a mask
-    shared over the first dim, else :func:`tiling.view_2d` of ``global_shape``. A shard draws
-    its part of that noise when it is whole tiles of that view: a contiguous run of whole
-    bands of tile rows of it (a split over the first dims), or of whole tiles of a one-row
-    view.
+    shared over the first dim, else :func:`tiling.view_2d` of ``global_shape`` (of the
+    tensor with its first two dims swapped where :func:`tiling.first_dims_swapped`:
+    :func:`noise_map` swaps them before it asks). A shard draws its part of that noise when
+    it is whole tiles of that view: a contiguous run of whole bands of tile rows of it (a
+    split over the first dims), or of whole tiles of a one-row view.
 
     Raises:
-        ValueError: a shard that is not whole tiles of the whole tensor's view.
+        ValueError: a shard that is not whole tiles of the whole tensor's view, or any shard
+            of a tensor whose view swaps its first two dims (no shard is a contiguous run of
+            that view's rows).
     """
+    if not shared_over_first_dim and tiling.first_dims_swapped(global_shape) and tuple(shape) != tuple(global_shape):
+        raise ValueError(
+            f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
+            f"its noise is drawn per tile of the tensor seen with its first two dims swapped, as XLA lays it "
+            f'out on TPU, so it cannot be split; use impl="threefry" (the default)')
     global_dims = index_dims(global_shape, global_shape, shared_over_first_dim)
     shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
     numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
@@ -230,8 +238,10 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
               element_cost: tuple[int, int] = (0, 0), uniform_bits: int = 32) -> jax.Array:
     """``transform(bits, *operands)`` over a tensor of ``shape``, in one Pallas kernel.
 
-    Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl``, so the
-    result does not depend on ``blocks`` or (threefry) the backend. A shard of a larger
+    Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl`` (the
+    per-tile impls: of its place in the tiles of :func:`per_tile_view`, the tensor's first two
+    dims swapped where :func:`tiling.first_dims_swapped`), so the result does not depend on
+    ``blocks`` or (threefry, tiled) the backend. A shard of a larger
     tensor (``global_shape``) gets the bits of its elements' indices in that tensor, so the
     shards of a sharded run together hold exactly the unsharded run's noise.
 
@@ -268,6 +278,13 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     prng.check_can_run(impl, interpret)
     per_tile = prng.per_tile(impl)
     sharded = global_shape is not None
+    if per_tile and not shared_over_first_dim and tiling.first_dims_swapped(global_shape if sharded else shape):
+        per_tile_view(shape, global_shape if sharded else shape, impl=impl)  # a shard raises
+        out = noise_map(key_data, _swap_first_dims(shape), transform, out_dtype,
+                        tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
+                        interpret=interpret, blocks=blocks, global_shape=_swap_first_dims(global_shape) if sharded else None,
+                        shard_offset=shard_offset, name=name, element_cost=element_cost, uniform_bits=uniform_bits)
+        return jnp.swapaxes(out, 0, 1)
     if sharded and tuple(shard_offset.shape) != (2,):
         raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
                          f"got {tuple(shard_offset.shape)}")
@@ -361,11 +378,16 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     return _in_own_layout(out.reshape(shape), two_d_rows=outer_stride is None and len(shape) >= 3 and cols == shape[-1])
 
 
+def _swap_first_dims(shape) -> tuple:
+    return (shape[1], shape[0], *shape[2:])
+
+
 def _in_own_layout(out: jax.Array, *, two_d_rows: bool) -> jax.Array:
     """``out``, the kernel's result reshaped from its ``two_d_rows`` (the tensor's own rows in
     2-D) to its tensor's shape, held there by a barrier where that reshape is a copy on TPU:
     a 3-D or wider tensor whose second-minor dim is not whole sublane tiles (ViT's 197
-    tokens). Without it XLA folds the reshape into the consumers' own reshapes to 2-D rows,
+    tokens) under threefry (the per-tile impls read ViT's swapped, in XLA's own layout:
+    :func:`tiling.first_dims_swapped`). Without it XLA folds the reshape into the consumers' own reshapes to 2-D rows,
     so a matmul of the result (a Linear's gradient) runs on the kernel's rows and its
     output, 4x wider in an MLP, is what gets copied to the tensor's padded layout."""
     if two_d_rows and out.shape[-2] % tiling.sublane_tile(out.dtype.itemsize):

@@ -127,6 +127,20 @@ def view_2d(shape) -> tuple[int, int]:
     return 1, numel
 
 
+def first_dims_swapped(shape) -> bool:
+    """Whether the per-tile impls view a tensor of ``shape`` with its first two dims swapped.
+
+    A 3-D tensor ``(B, L, C)`` whose ``C`` is whole lanes and ``L`` is not whole 8-row
+    sublanes while ``B`` is (ViT-B/16's ``(32, 197, 768)`` activations): XLA on TPU lays it
+    out as ``(L, B, C)`` (layout ``{2,0,1}``: ``B`` in the sublanes, no row padded), so a
+    kernel reading the swapped tensor's rows reads XLA's own buffer, where the tensor's own
+    rows would be copied in and out of a padded layout around every kernel. Threefry's
+    counters are the flat indices of the tensor as it is, so it keeps the tensor's rows.
+    """
+    return (len(shape) == 3 and shape[2] % LANES == 0 and shape[1] % SUBLANES != 0
+            and shape[0] % SUBLANES == 0)
+
+
 def hardware_tile(rows: int, cols: int) -> tuple[int, int]:
     """The tile the hardware PRNG is seeded per, over a ``(rows, cols)`` view: the widest of
     1024, 512, 256, 128 lanes that divides the view's width in whole lanes, and every row in
