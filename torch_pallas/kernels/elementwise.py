@@ -282,7 +282,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
         per_tile_view(shape, global_shape if sharded else shape, impl=impl)  # a shard raises
         out = noise_map(key_data, _swap_first_dims(shape), transform, out_dtype,
                         tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
-                        interpret=interpret, blocks=blocks, global_shape=_swap_first_dims(global_shape) if sharded else None,
+                        interpret=interpret, blocks=blocks,
+                        global_shape=_swap_first_dims(global_shape) if sharded else None,
                         shard_offset=shard_offset, name=name, element_cost=element_cost, uniform_bits=uniform_bits)
         return jnp.swapaxes(out, 0, 1)
     if sharded and tuple(shard_offset.shape) != (2,):
@@ -387,9 +388,10 @@ def _in_own_layout(out: jax.Array, *, two_d_rows: bool) -> jax.Array:
     2-D) to its tensor's shape, held there by a barrier where that reshape is a copy on TPU:
     a 3-D or wider tensor whose second-minor dim is not whole sublane tiles (ViT's 197
     tokens) under threefry (the per-tile impls read ViT's swapped, in XLA's own layout:
-    :func:`tiling.first_dims_swapped`). Without it XLA folds the reshape into the consumers' own reshapes to 2-D rows,
-    so a matmul of the result (a Linear's gradient) runs on the kernel's rows and its
-    output, 4x wider in an MLP, is what gets copied to the tensor's padded layout."""
+    :func:`tiling.first_dims_swapped`). Without it XLA folds the reshape into the consumers'
+    own reshapes to 2-D rows, so a matmul of the result (a Linear's gradient) runs on the
+    kernel's rows and its output, 4x wider in an MLP, is what gets copied to the tensor's
+    padded layout."""
     if two_d_rows and out.shape[-2] % tiling.sublane_tile(out.dtype.itemsize):
         return lax.optimization_barrier(out)
     return out

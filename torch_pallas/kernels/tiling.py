@@ -10,7 +10,8 @@ tells: ``tests/kernels/test_tpu_compile.py``). A block larger than its dim is cl
 
 Elementwise kernels see any tensor as a row-major ``(rows, cols)`` matrix with the same
 flat order (:func:`view_2d`), so each element keeps its flat index, the counter of its
-threefry noise.
+threefry noise (the per-tile impls see a tensor that XLA holds with its first two dims
+swapped as that swap's matrix: :func:`first_dims_swapped`).
 """
 
 from __future__ import annotations
