@@ -124,10 +124,31 @@ def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
-def test_one_plane_per_grid_step():
-    with pytest.raises(ValueError, match="blocks.planes=2 must be at most 1"):
-        dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), jnp.zeros((2, 8, 128)), jnp.zeros((2, 128, 8)), p=0.1,
-                                              interpret=True, blocks=Blocks(8, 128, 2))
+@pytest.mark.parametrize("impl", ["threefry", "tiled"])
+@pytest.mark.parametrize("softmax", [False, True])
+def test_planes_per_grid_step_give_the_same_values_and_gradients(impl, softmax):
+    """A grid step over several short planes draws each plane's own mask: values and both
+    gradients are those of one plane per step, bit for bit."""
+    weights, value, grad_out = _case((4, 24, 40), 16, jnp.float32, seed=3)
+    results = []
+    for planes in (1, 2, 4):
+        options = dict(p=0.25, impl=impl, interpret=True, blocks=Blocks(24, 40, planes), softmax=softmax)
+        out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, **options)
+        results.append((out, *dropout_matmul.dropout_matmul_backward(jnp.asarray(KEY), weights, value, grad_out,
+                                                                     **options)))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_short_planes_share_a_grid_step_counting_the_weights_lanes():
+    """ViT-B/16's 384 planes of 197 x 197 weights with 64-lane values: 4 per step, the weights'
+    256 lanes and the value's 128 within attention's 8 x 256 lanes per row, as a mask's are
+    counted; 512-lane values: 2."""
+    problem = attention.weights_problem((384,), 197, 197, 64)
+    assert attention.resolve_blocks(Blocks(197, 197), problem, impl="tiled", interpret=False).planes == 4
+    wider = attention.weights_problem((384,), 197, 197, 512)
+    assert attention.resolve_blocks(Blocks(197, 197), wider, impl="tiled", interpret=False).planes == 2
 
 
 def test_softmax_first_needs_whole_rows_that_fit():

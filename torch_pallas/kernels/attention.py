@@ -124,9 +124,10 @@ class _Problem:
 def weights_problem(batch, L: int, S: int, Ev: int) -> _Problem:
     """The problem of attention weights already computed, ``(*batch, L, S)``, multiplied by a
     value of the same batch dims, ``(*batch, S, Ev)``: what :func:`kept_weights` and
-    :func:`resolve_blocks` need (no query or key)."""
+    :func:`resolve_blocks` need (no query or key). The weights are a float ``(L, S)`` plane per
+    batch element, held in VMEM as a mask is: the planes a grid step takes count their lanes."""
     same = _layout(tuple(batch), tuple(batch))
-    return _Problem(tuple(batch), L, S, 0, Ev, same, None, L)
+    return _Problem(tuple(batch), L, S, 0, Ev, same, same, L)
 
 
 def attention_tile(L: int, S: int) -> tuple[int, int]:
@@ -484,12 +485,21 @@ class _PlaneRef:
 
 
 def _over_planes(body, static: _Static, has_bias: bool):
-    """The kernel of a grid step over ``static.blocks.planes`` planes: ``body`` once per plane on
-    its plane of each block (a key, value or mask plane the step's planes share as it is), with
-    ``plane`` the plane's flat batch index. Refs after (key data, query, key, value, bias) are
-    the step's outputs and scratch, all per plane."""
+    """:func:`over_planes` of the attention kernels, whose inputs are the key data, query, key,
+    value and mask (a key, value or mask plane the step's planes may share)."""
     planes = static.blocks.planes
-    inputs = [False, planes > 1, static.kv_blocked, static.kv_blocked] + ([static.bias_blocked] if has_bias else [])
+    return over_planes(body, static, [False, planes > 1, static.kv_blocked, static.kv_blocked]
+                       + ([static.bias_blocked] if has_bias else []))
+
+
+def over_planes(body, static: _Static, inputs_blocked):
+    """The kernel of a grid step over ``static.blocks.planes`` planes: ``body`` once per plane on
+    its plane of each block, with ``plane`` the plane's flat batch index. ``inputs_blocked``:
+    for each input ref, whether it has a block of the step's planes (else the step's planes
+    share it as it is: the key data, a shared mask); the refs after them, the step's outputs
+    and scratch, are all per plane."""
+    planes = static.blocks.planes
+    inputs = list(inputs_blocked)
 
     def kernel(*refs):
         first = pl.program_id(0) * planes

@@ -90,7 +90,7 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
-                                      interpret=interpret, backward=backward, global_shape=None, max_planes=1)
+                                      interpret=interpret, backward=backward, global_shape=None)
     L_padded = tiling.round_up(L, static.blocks.q)
     S_padded = static.S_padded
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
@@ -125,8 +125,16 @@ def _dropped(static, keep, w):
     return kept_values(keep, w, prng.keep_probability(static.impl, static.dropout_p)).astype(w.dtype)
 
 
-def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax):
-    b, q_index, kv_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(body, static, softmax, inputs: int):
+    """``body`` over the grid step's planes (:func:`attention.over_planes`): every operand but
+    the key data is a block of them (the weights and the value share their batch dims)."""
+    planes = static.blocks.planes > 1
+    return attention.over_planes(functools.partial(body, static=static, softmax=softmax), static,
+                                 [False] + [planes] * (inputs - 1))
+
+
+def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax, plane):
+    b, q_index, kv_index = plane, pl.program_id(1), pl.program_id(2)
 
     @pl.when(kv_index == 0)
     def _():
@@ -155,7 +163,8 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
         impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
         blocks: rows of L (``q``) and of S (``kv``) per grid step (default: the attention
-            forward kernel's; with ``softmax`` whole rows).
+            forward kernel's; with ``softmax`` whole rows), and where a block is a whole short
+            plane, the planes a step takes (:class:`attention.AttentionBlocks` ``planes``).
         softmax: ``weights`` are scores: ``dropout(softmax(weights, -1)) @ value``.
 
     Returns:
@@ -172,11 +181,11 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False,
                                                        softmax)
     problem, blocks = static.problem, static.blocks
-    grid = (problem.size, L_padded // blocks.q, S_padded // blocks.kv)
+    grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_shape = jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype)
     walk = attention.BlockWalk.of(static, *grid[1:], kv_major=False)
     out = calls.pallas_call(
-        functools.partial(_forward_kernel, static=static, softmax=softmax),
+        _kernel(_forward_kernel, static, softmax, inputs=3),
         name=_kernel_name(static, softmax, "fwd"),
         cost_estimate=walk.cost(
             bytes_accessed=walk.fetched(static.block_bytes(blocks.q, blocks.kv, w.dtype), "both")
@@ -186,19 +195,21 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
             exponentials=softmax),
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
-                  attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, i, j: (b, j))],
-        out_specs=pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, i, j: (b, i, 0)),
+                  pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, i, j: (b, i, j)),
+                  attention.plane_spec(static.plane_dim, blocks.kv, problem.Ev, static.value_transposed,
+                                       lambda b, i, j: (b, j))],
+        out_specs=pl.BlockSpec((static.plane_dim, blocks.q, problem.Ev), lambda b, i, j: (b, i, 0)),
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((blocks.q, problem.Ev), jnp.float32)],
+        scratch_shapes=[static.scratch(blocks.q, problem.Ev)],
         compiler_params=attention.compiler_params(),
         interpret=interpret,
     )(words, w, v)
     return out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
 
 
-def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, grad_v_acc, *, static, softmax):
-    b, kv_index, q_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, grad_v_acc, *, static, softmax,
+                     plane):
+    b, kv_index, q_index = plane, pl.program_id(1), pl.program_id(2)
 
     @pl.when(q_index == 0)
     def _():
@@ -245,12 +256,12 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
     grad_out = attention.padded(attention.flatten(grad_out.astype(weights.dtype)), 1, L_padded)
     # The value's gradient sums over the rows of L: they are the innermost axis, so each block of
     # it stays in VMEM until it is whole.
-    grid = (problem.size, S_padded // blocks.kv, L_padded // blocks.q)
+    grid = (static.grid_planes, S_padded // blocks.kv, L_padded // blocks.q)
     out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, S_padded), weights.dtype),
                  jax.ShapeDtypeStruct((problem.size, S_padded, problem.Ev), value.dtype)]
     walk = attention.BlockWalk.of(static, *grid[1:], kv_major=True)
     grad_w, grad_v = calls.pallas_call(
-        functools.partial(_backward_kernel, static=static, softmax=softmax),
+        _kernel(_backward_kernel, static, softmax, inputs=4),
         name=_kernel_name(static, softmax, "bwd"),
         cost_estimate=walk.cost(
             bytes_accessed=walk.fetched(static.block_bytes(blocks.q, blocks.kv, w.dtype), "both")
@@ -261,13 +272,14 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
             exponentials=softmax, dropout_selects=2),
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
-                  attention.plane_spec(None, blocks.kv, problem.Ev, static.value_transposed, lambda b, j, i: (b, j)),
-                  pl.BlockSpec((None, blocks.q, problem.Ev), lambda b, j, i: (b, i, 0))],
-        out_specs=[pl.BlockSpec((None, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
-                   pl.BlockSpec((None, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0))],
+                  pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
+                  attention.plane_spec(static.plane_dim, blocks.kv, problem.Ev, static.value_transposed,
+                                       lambda b, j, i: (b, j)),
+                  pl.BlockSpec((static.plane_dim, blocks.q, problem.Ev), lambda b, j, i: (b, i, 0))],
+        out_specs=[pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, j, i: (b, i, j)),
+                   pl.BlockSpec((static.plane_dim, blocks.kv, problem.Ev), lambda b, j, i: (b, j, 0))],
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((blocks.kv, problem.Ev), jnp.float32)],
+        scratch_shapes=[static.scratch(blocks.kv, problem.Ev)],
         compiler_params=attention.compiler_params(),
         interpret=interpret,
     )(words, w, v, grad_out)
