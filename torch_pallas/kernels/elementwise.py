@@ -175,11 +175,7 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
             of a tensor whose view swaps its first two dims (no shard is a contiguous run of
             that view's rows).
     """
-    if not shared_over_first_dim and tiling.first_dims_swapped(global_shape) and tuple(shape) != tuple(global_shape):
-        raise ValueError(
-            f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
-            f"its noise is drawn per tile of the tensor seen with its first two dims swapped, as XLA lays it "
-            f'out on TPU, so it cannot be split; use impl="threefry" (the default)')
+    _swaps_first_dims(shape, global_shape, shared_over_first_dim, impl)
     global_dims = index_dims(global_shape, global_shape, shared_over_first_dim)
     shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
     numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
@@ -199,6 +195,22 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
     if shared_row:
         rows = shape[0]
     return rows, cols, shared_row, global_cols, seed_tile
+
+
+def _swaps_first_dims(shape, global_shape, shared_over_first_dim: bool, impl: str) -> bool:
+    """Whether a per-tile impl sees a tensor of ``global_shape`` with its first two dims swapped
+    (:func:`tiling.first_dims_swapped`; a mask shared over the first dim never is).
+
+    Raises:
+        ValueError: ``shape`` is a shard of such a tensor.
+    """
+    swapped = not shared_over_first_dim and tiling.first_dims_swapped(global_shape)
+    if swapped and tuple(shape) != tuple(global_shape):
+        raise ValueError(
+            f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
+            f"its noise is drawn per tile of the tensor seen with its first two dims swapped, as XLA lays it "
+            f'out on TPU, so it cannot be split; use impl="threefry" (the default)')
+    return swapped
 
 
 def index_count(global_shape, shared_over_first_dim: bool = False) -> int:
@@ -278,8 +290,7 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     prng.check_can_run(impl, interpret)
     per_tile = prng.per_tile(impl)
     sharded = global_shape is not None
-    if per_tile and not shared_over_first_dim and tiling.first_dims_swapped(global_shape if sharded else shape):
-        per_tile_view(shape, global_shape if sharded else shape, impl=impl)  # a shard raises
+    if per_tile and _swaps_first_dims(shape, global_shape if sharded else shape, shared_over_first_dim, impl):
         out = noise_map(key_data, _swap_first_dims(shape), transform, out_dtype,
                         tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
                         interpret=interpret, blocks=blocks,
