@@ -318,22 +318,26 @@ def _decode(dump):
 
 def _branch_target(decoded, pc, bundleno, region, name):
     """The bundle index the branch at bundle ``pc`` goes to: ``region`` is the region it names, and
-    ``bundleno`` its target's bundle number (``None`` where the dump names the region alone). A
-    "bundleno" is not the dump's bundle index: it counts instruction words, and long bundles take
-    more than one; it says only whether the branch goes back or forward."""
+    ``bundleno`` its target's bundle number (``None`` where the dump names the region alone).
+
+    The region's mark says the direction: a branch back names the loop whose head starts that
+    region (an "LB" bundle at or before ``pc``), a branch forward the empty region it lands on
+    after ``pc``. A "bundleno" is not the dump's bundle index: it counts instruction words, and
+    long bundles take more than one, so it can exceed the index of a branch that goes back (the
+    closing branch of a loop after a run of long bundles); it decides only where a region is
+    marked on both sides."""
     here = int(decoded.texts[pc].split()[0], 0)
     candidates = decoded.regions.get(region, [])
     back = [i for i in candidates if i <= pc and decoded.loop_heads[i]]
     forward = [i for i in candidates if i > pc]
-    if bundleno is None:
-        # Without a bundle number, the region's mark says the direction: the empty region a
-        # forward branch lands on, or the loop head a branch back returns to.
-        bundleno = here + (1 if forward or not back else 0)
-    if bundleno <= here and back:
+    if forward and back:
+        goes_back = bundleno is not None and bundleno <= here
+        return back[-1] if goes_back else forward[0]
+    if back:
         return back[-1]
-    if bundleno > here and forward:
+    if forward:
         return forward[0]
-    if bundleno > here and "exit bundle" in decoded.texts[-1]:
+    if (bundleno is None or bundleno > here) and "exit bundle" in decoded.texts[-1]:
         return len(decoded.texts) - 1  # a branch to the program's end (v5p: the second TensorCore skipping a fusion)
     raise ValueError(f"{name}: no target for the branch at bundle {pc} (bundle number {bundleno}, region {region})")
 

@@ -93,6 +93,21 @@ def test_a_loop_is_followed_as_either_libtpu_words_it(dump):
     assert run["counts"] == [1, 1, 1, 1, 3, 3, 3, 3, 1] and run["bundles"] == 17
 
 
+# The same loop after long bundles (instruction words, which bundle numbers count, outnumber the
+# bundles): its closing branch's bundle number (12) is past its own index (6), yet it goes back to
+# the loop's head; the dump ends in the kernel's exit bundle, where a branch forward could land.
+LOOP_AFTER_LONG_BUNDLES = (LOOP_0_0_21.replace("target bundleno = 4 (0x4), region = 5",
+                                                "target bundleno = 12 (0xc), region = 5")
+                           .replace("/* Start/End empty region 9 */",
+                                    "/* Start/End empty region 9 */ /* exit bundle: %k.1 = custom-call() */"))
+
+
+def test_a_loop_closes_on_its_head_whatever_its_bundle_number():
+    # Once read as a branch forward, to the exit bundle: the body ran once (9 bundles, not 17).
+    run = tpu_schedule.executed_schedule(LOOP_AFTER_LONG_BUNDLES, "v4")
+    assert run["counts"] == [1, 1, 1, 1, 3, 3, 3, 3, 1] and run["bundles"] == 17
+
+
 @compiles_for_tpu
 def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     """tests/estimates/: an XLA-only program is the sum of its fusions and grows with its size;
