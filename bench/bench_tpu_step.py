@@ -480,11 +480,10 @@ def render(records: list) -> str:
                   "its `sdpa` step measured again on v4 gives the same peak and step time.\n\n")
     if any(_estimated_before_the_fix(r) for r in records):
         notes += (f"‡: a time ratio (or a breakdown's step) resting on an estimate made before {ESTIMATOR} (the "
-                  "row's or its torch row's), "
-                  "which counted once a loop whose closing branch's bundle number passed the branch's own index "
-                  "(after long bundles: an XLA copy loop, the RNG, a kernel on operands XLA keeps in VMEM). Estimated "
-                  "again from the same compiles, ViT sdpa on v6e: torch 3.67 -> 3.71 ms, tiled 3.43 -> 3.52 ms "
-                  "(0.93x -> 0.95x); BERT-128 sdpa on v6e: torch 1.391 -> 1.392 ms, tiled unchanged.\n\n")
+                  "row's or its torch row's), which ran once a loop whose closing branch's bundle number passed "
+                  "the branch's own index, after long bundles (an XLA copy loop, the RNG, a kernel on operands XLA "
+                  "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\"). The ratios "
+                  "estimated again moved by -0.003x to +0.04x, ViT's on v5e and v6e most.\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:
