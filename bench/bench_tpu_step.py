@@ -482,8 +482,8 @@ def render(records: list) -> str:
         notes += (f"‡: a time ratio (or a breakdown's step) resting on an estimate made before {ESTIMATOR} (the "
                   "row's or its torch row's), which ran once a loop whose closing branch's bundle number passed "
                   "the branch's own index, after long bundles (an XLA copy loop, the RNG, a kernel on operands XLA "
-                  "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\"). The ratios "
-                  "estimated again moved by -0.003x to +0.04x, ViT's on v5e and v6e most.\n\n")
+                  "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\", says how far the "
+                  "ratios estimated again moved).\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:
