@@ -90,6 +90,11 @@ CASES = {
     # L != S, neither a block multiple; several blocks each way, causal blocks skipped.
     "ragged-causal": ((2, 3, 40, 64), (2, 3, 300, 64), (2, 3, 300, 64),
                       dict(causal=True, dropout_p=0.3, blocks=Blocks(16, 128), backward_blocks=Blocks(8, 256))),
+    # One block of every key forward (no running statistics); one block of rows backward, whose
+    # key blocks past the last row are skipped and their gradients zero.
+    "causal-whole-rows-forward-whole-columns-backward": (
+        (2, 3, 40, 64), (2, 3, 300, 64), (2, 3, 300, 64),
+        dict(causal=True, dropout_p=0.3, blocks=Blocks(16, 300), backward_blocks=Blocks(40, 128))),
     # L > S causal (rows past S see every key), GQA, key and value broadcast over the batch.
     "gqa-broadcast-causal": ((2, 4, 72, 64), (1, 2, 24, 64), (1, 2, 24, 64), dict(causal=True, gqa=True, dropout_p=0.2)),
     "head-dim-128-value-64": ((2, 2, 32, 128), (2, 2, 160, 128), (2, 2, 160, 64),

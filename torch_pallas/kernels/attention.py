@@ -52,11 +52,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import arguments, calls, compat, prng, tiling
 
-# The forward kernel keeps its row statistics (running maximum and sum) and writes the
-# log-sum-exp as (rows, ROW_STAT_LANES) float32 blocks, every lane the row's value (see _lanes).
-# The backward kernels read the log-sum-exp and rowsum(dO * O) one value per row instead
-# (_row_stat_spec): in HBM a (rows, ROW_STAT_LANES) operand is 128 times the bytes, and XLA kept
-# those broadcasts alive with the backward pass's other operands at a step's peak.
+# The forward kernel keeps its row statistics (running maximum and sum) as (rows, ROW_STAT_LANES)
+# float32 blocks, every lane the row's value (see _lanes). The log-sum-exp it writes, and
+# rowsum(dO * O), which the backward kernels read, are one value per row (_row_stat_spec): in HBM
+# a (rows, ROW_STAT_LANES) array is 128 times the bytes, which the forward kernel's writes and the
+# slice after it cost (BERT's 128 tokens: 6 MiB a layer), and which XLA kept alive with the
+# backward pass's other operands at a step's peak.
 ROW_STAT_LANES = tiling.LANES
 _HARDWARE_TILE_MAX_COLS = 512
 _HARDWARE_TILE_MAX_ROWS = 256
@@ -598,6 +599,9 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
     bias_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
     out_ref, lse_ref, max_ref, sum_ref, acc_ref = refs
     b, q_index, kv_index = plane, pl.program_id(1), pl.program_id(2)
+    if static.S_padded == static.blocks.kv:
+        _whole_rows_forward(key_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, static, b, q_index)
+        return
 
     @pl.when(kv_index == 0)
     def _():
@@ -632,7 +636,33 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         # The kept weights' 1 / (1 - p) joins the normaliser: once per row, not per weight.
         inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
         out_ref[...] = (acc_ref[...] * _lanes(inverse, static.problem.Ev)).astype(out_ref.dtype)
-        lse_ref[...] = jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total))
+        lse_ref[...] = _row(jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total)))
+
+
+def _whole_rows_forward(key_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, static: _Static, b, q_index):
+    """The forward kernel where one block holds every key: the softmax of whole rows, without the
+    running statistics and their corrections, which a single step does not need (128 keys: about
+    a sixth of the kernel's bundles)."""
+    s = _score_block(static, q_ref[...], k_ref[...], bias_ref, q_index, 0)
+    row_max = jnp.max(s, axis=1, keepdims=True)
+    shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
+    p = jnp.exp(s - shift)
+    total = jnp.sum(p, axis=1, keepdims=True)
+    if static.dropout_p:
+        p = jnp.where(kept_weights(static, key_ref, b, q_index, 0), p, np.float32(0.0))
+    v = v_ref[...]
+    acc = matmul(p.astype(v.dtype), v, static.value_transposed)
+    empty = total == 0.0
+    safe_total = jnp.where(empty, np.float32(1.0), total)
+    inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
+    out_ref[...] = (acc * inverse).astype(out_ref.dtype)
+    lse_ref[...] = _row(jnp.where(empty, jnp.inf, shift + jnp.log(safe_total)))
+
+
+def _row(row_stat):
+    """A row statistic, a (rows, 1) column or (rows, ROW_STAT_LANES) with every lane the row's
+    value, as the (1, rows) row :func:`_row_stat_spec` writes (one transpose of a vreg column)."""
+    return jnp.broadcast_to(row_stat, (row_stat.shape[0], ROW_STAT_LANES)).T[:1]
 
 
 def _lanes(row_stat, cols):
@@ -825,7 +855,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
     words = noise_words(key_data, impl, shard_offset)
     out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
-                 jax.ShapeDtypeStruct((problem.size, L_padded, ROW_STAT_LANES), jnp.float32)]
+                 jax.ShapeDtypeStruct((problem.size, L_padded // blocks.q, 1, blocks.q), jnp.float32)]
     walk = BlockWalk.of(static, *grid[1:], kv_major=False)
     out, lse = calls.pallas_call(
         _over_planes(functools.partial(_forward_kernel, static=static, has_bias=bias is not None), static,
@@ -837,7 +867,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         grid=grid,
         in_specs=specs,
         out_specs=[pl.BlockSpec((static.plane_dim, blocks.q, problem.Ev), out_index),
-                   pl.BlockSpec((static.plane_dim, blocks.q, ROW_STAT_LANES), out_index)],
+                   _row_stat_spec(static, lambda b, i, j: (b, i, 0, 0))],
         out_shape=out_shape,
         scratch_shapes=[static.scratch(blocks.q, ROW_STAT_LANES), static.scratch(blocks.q, ROW_STAT_LANES),
                         static.scratch(blocks.q, problem.Ev)],
@@ -845,11 +875,12 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
         interpret=interpret,
     )(*[words, q, k, v, *([] if bias is None else [bias])])
     out = out[:, :problem.L].reshape(*problem.batch, problem.L, problem.Ev)
-    # One barrier for both outputs makes XLA take the one lane of the log-sum-exp that the
-    # backward pass needs when the forward pass reads the output: left to itself it schedules
-    # the slice just before the backward's reader and keeps the whole (rows, ROW_STAT_LANES)
-    # output alive in between, 128x the bytes.
-    return lax.optimization_barrier((out, lse[:, :problem.L, 0].reshape(*problem.batch, problem.L)))
+    # One barrier for both outputs makes XLA take the log-sum-exp out of the kernel's (1, q) rows
+    # (8 sublanes each in HBM) when the forward pass reads the output: left to itself it
+    # schedules the slice just before the backward's reader and keeps the padded rows alive in
+    # between.
+    lse = lse.reshape(problem.size, L_padded)[:, :problem.L]
+    return lax.optimization_barrier((out, lse.reshape(*problem.batch, problem.L)))
 
 
 def _column(row_stat_ref):
@@ -881,13 +912,24 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
     grad_bias_ref, refs = (refs[0], refs[1:]) if bias_grad else (None, refs)
     grad_k_acc, grad_v_acc = refs
     b, kv_index, q_index = plane, pl.program_id(1), pl.program_id(2)
+    # One block of rows: a step sees every row, so it writes its key and value gradients whole,
+    # without accumulating them in scratch.
+    whole_columns = tiling.round_up(static.problem.L, static.blocks.q) == static.blocks.q
+    runs = _runs(static, q_index, kv_index)
 
-    @pl.when(q_index == 0)
-    def _():
-        grad_k_acc[...] = jnp.zeros(grad_k_acc.shape, jnp.float32)
-        grad_v_acc[...] = jnp.zeros(grad_v_acc.shape, jnp.float32)
+    if whole_columns and static.causal:
+        @pl.when(jnp.logical_not(runs))
+        def _():
+            grad_k_ref[...] = jnp.zeros(grad_k_ref.shape, grad_k_ref.dtype)
+            grad_v_ref[...] = jnp.zeros(grad_v_ref.shape, grad_v_ref.dtype)
 
-    @pl.when(_runs(static, q_index, kv_index))
+    if not whole_columns:
+        @pl.when(q_index == 0)
+        def _():
+            grad_k_acc[...] = jnp.zeros(grad_k_acc.shape, jnp.float32)
+            grad_v_acc[...] = jnp.zeros(grad_v_acc.shape, jnp.float32)
+
+    @pl.when(runs)
     def _():
         q, k, grad_out = q_ref[...], k_ref[...], grad_out_ref[...]
         s = _score_block(static, q, k, bias_ref, q_index, kv_index)
@@ -901,19 +943,26 @@ def _key_value_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_
             kept = kept_weights(static, key_ref, b, q_index, kv_index)
             dropped = jnp.where(kept, p, np.float32(0.0))
             grad_p = jnp.where(kept, grad_p, np.float32(0.0))
-        grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
+        grad_v = jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
         grad_s = p * (grad_p - _column(delta_ref))
-        grad_k_acc[...] += jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        grad_k = jnp.dot(grad_s.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        if whole_columns:
+            grad_k_ref[...] = (grad_k * np.float32(static.scale)).astype(grad_k_ref.dtype)
+            grad_v_ref[...] = grad_v.astype(grad_v_ref.dtype)
+        else:
+            grad_k_acc[...] += grad_k
+            grad_v_acc[...] += grad_v
         if with_query:
             grad_q_ref[...] = (matmul(grad_s.astype(k.dtype), k, static.key_transposed)
                                * np.float32(static.scale)).astype(grad_q_ref.dtype)
             if bias_grad:
                 grad_bias_ref[...] = grad_s
 
-    @pl.when(q_index == pl.num_programs(2) - 1)
-    def _():
-        grad_k_ref[...] = (grad_k_acc[...] * np.float32(static.scale)).astype(grad_k_ref.dtype)
-        grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
+    if not whole_columns:
+        @pl.when(q_index == pl.num_programs(2) - 1)
+        def _():
+            grad_k_ref[...] = (grad_k_acc[...] * np.float32(static.scale)).astype(grad_k_ref.dtype)
+            grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
 
 
 def _query_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bias: bool, bias_grad: bool, plane):
