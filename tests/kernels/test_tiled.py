@@ -142,13 +142,13 @@ def test_sampling_converts_32_bit_words_as_threefrys():
     np.testing.assert_array_equal(np.asarray(bernoulli), expected < np.float32(0.3))
 
 
-def attention_mask(shape, dropout_p, **options):
+def attention_mask(shape, dropout_p, head_dim=8, **options):
     """The forward kernel's output and mask of ``(*batch, L, S)`` weights (zero scores: every
     weight 1 / S, the value the identity, so the output is the kept weights), and the backward
     kernels' mask (the value's gradient against an identity output gradient is the kept weights
     transposed)."""
     *batch, L, S = shape
-    zeros = jnp.zeros((*batch, L, 8)), jnp.zeros((*batch, S, 8))
+    zeros = jnp.zeros((*batch, L, head_dim)), jnp.zeros((*batch, S, head_dim))
     value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (*batch, S, S))
     function = functools.partial(attention.attention, jnp.asarray(KEY), bias=None, dropout_p=dropout_p, impl="tiled",
                                  interpret=True, **options)
@@ -160,7 +160,9 @@ def attention_mask(shape, dropout_p, **options):
 @pytest.mark.parametrize("shape,blocks", [
     ((2, 2, 197, 197), [dict(blocks=AttnBlocks(197, 197, 1), backward_blocks=AttnBlocks(197, 197, 2))]),
     ((1, 1, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
-], ids=["ViT planes", "several tiles"])
+    # head dim 128 = the value's S: the default runs packed_attention's kernels
+    ((2, 2, 64, 128), [dict(head_dim=128), dict(head_dim=128, blocks=AttnBlocks(64, 128))]),
+], ids=["ViT planes", "several tiles", "heads packed in lanes"])
 def test_attention_mask_is_the_references_forward_and_backward(shape, blocks):
     """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut, its hash grid's rows
     rounded up to 224; (8, 128) for 264 x 300), numbered on through the planes, whatever the

@@ -802,6 +802,12 @@ def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret
     return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide, global_batch)
 
 
+def _packed_attention():
+    """The kernels over heads packed in lanes (:mod:`packed_attention`, which builds on this module's)."""
+    from torch_pallas.kernels import packed_attention
+    return packed_attention
+
+
 def _check_options(dropout_p, impl, interpret):
     dropout_p = arguments.check_probability(dropout_p, "dropout_p")
     prng.check_can_run(impl, interpret)
@@ -845,6 +851,10 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                                      causal=causal, scale=scale, gqa=gqa, interpret=interpret, blocks=blocks,
                                      global_shape=global_shape, shard_offset=shard_offset)
         return out.astype(query.dtype), lse
+    if _packed_attention().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
+                                 global_shape=global_shape, causal=causal):
+        return _packed_attention().forward(key_data, query, key, value, dropout_p=dropout_p, impl=impl,
+                                           causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
@@ -1069,6 +1079,10 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         grads = attention_backward(key_data, wide_query, wide_key, wide_value, wide_out, lse, wide_grad_out, wide_bias,
                                    **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
+    if _packed_attention().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
+                                 global_shape=global_shape, causal=causal):
+        return _packed_attention().backward(key_data, query, key, value, out, lse, grad_out, dropout_p=dropout_p,
+                                            impl=impl, causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)
     blocks = static.blocks

@@ -1,0 +1,254 @@
+"""Attention over short planes with the heads packed in lanes, ``(B, L, H * E)``, as a
+transformers model's projections hold them: :func:`attention.attention_forward` and
+:func:`attention.attention_backward` run these kernels where :func:`takes` says so.
+
+The flash kernels read ``(B * H, L, E)`` planes, so XLA copies the projections' ``(B, L, H * E)``
+output into that layout for every query, key, value and incoming gradient, and the gradients
+back; with ``E = 64`` a plane is also padded to 128 lanes. Over 128 tokens those copies cost
+more than the attention (BERT at 8 x 128 tokens, float32: ``bench/results/tpu_short_attention.md``).
+These kernels take each operand as ``(B, L, H * E)`` (``swapaxes`` and ``reshape`` of the
+``(B, H, L, E)`` arguments, which XLA cancels against the model's own transposes) in blocks of
+whole 128-lane columns: a column holds ``128 / E`` heads; a head's matrix products read the
+whole column with the other heads' lanes zeroed (the matrix unit's depth is 128 lanes either
+way), and its results are selected back into its lanes. Scores, mask and softmax are the
+flash kernels' whole-rows ones (the same mask bits, plane ``b * H + h``, for every impl), so a
+call gives what the flash kernels give, to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels import attention, calls, tiling
+
+# Lengths up to this take one block of rows and one of keys (a step's planes whole).
+MAX_LENGTH = 256
+# A grid step's block of each operand, at most: columns are grouped up to it (VMEM holds the
+# forward's four and the backward's nine, each double-buffered).
+_MAX_BLOCK_BYTES = 512 * 1024
+
+
+def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, global_shape, causal: bool) -> bool:
+    """Whether a call runs as these kernels: ``(B, H, L, E)`` query, key and value of the same batch
+    dims, no mask or GQA, the default blocks, not a shard; a head dim that divides 128 lanes and
+    whole columns of heads; ``L`` whole sublanes and ``S`` whole lanes, both at most
+    :data:`MAX_LENGTH`; causal only with ``L == S``."""
+    if bias is not None or gqa or blocks is not None or global_shape is not None or len(query_shape) != 4:
+        return False
+    B, H, L, E = query_shape
+    if tuple(key_shape[:2]) != (B, H) or tuple(value_shape[:2]) != (B, H):
+        return False
+    S, Ev = key_shape[2], value_shape[3]
+    return (E == Ev and tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
+            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH and (not causal or L == S))
+
+
+def packed(array):
+    """``(B, H, L, E)`` as ``(B, L, H * E)``."""
+    B, H, L, E = array.shape
+    return jnp.swapaxes(array, 1, 2).reshape(B, L, H * E)
+
+
+def unpacked(array, heads: int):
+    """``(B, L, H * E)`` as ``(B, H, L, E)``."""
+    B, L, width = array.shape
+    return jnp.swapaxes(array.reshape(B, L, heads, width // heads), 1, 2)
+
+
+def _columns_per_step(rows: int, columns: int, heads_per_column: int, itemsize: int) -> int:
+    """The most columns per grid step whose block fits :data:`_MAX_BLOCK_BYTES`, dividing the
+    columns, with whole 8-row blocks of the row statistics' heads (or every head)."""
+    fits = [g for g in range(1, columns + 1)
+            if columns % g == 0 and (g == columns or g * heads_per_column % tiling.SUBLANES == 0)
+            and rows * g * tiling.LANES * itemsize <= _MAX_BLOCK_BYTES]
+    return max(fits) if fits else columns
+
+
+class _Plan:
+    """One call's shapes: heads, lengths, columns per grid step, and the flash kernels' static
+    configuration for whole planes (:func:`attention.kept_weights` draws the mask from it)."""
+
+    def __init__(self, query_shape, key_shape, dtype, *, dropout_p, impl, causal, scale, interpret):
+        self.B, self.H, self.L, self.E = query_shape
+        self.S = key_shape[2]
+        problem = attention.resolve_problem(query_shape, key_shape, key_shape)
+        self.static = attention.resolve_static(problem, attention.AttentionBlocks(self.L, self.S, 1),
+                                               dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+                                               interpret=interpret, backward=False, global_shape=None)
+        self.heads_per_column = tiling.LANES // self.E
+        columns = self.H * self.E // tiling.LANES
+        self.columns_per_step = _columns_per_step(max(self.L, self.S), columns, self.heads_per_column,
+                                                  jnp.dtype(dtype).itemsize)
+        self.grid = (self.B, columns // self.columns_per_step)
+        self.heads_per_step = self.columns_per_step * self.heads_per_column
+
+    def spec(self, rows):
+        return pl.BlockSpec((None, rows, self.columns_per_step * tiling.LANES), lambda b, g: (b, 0, g))
+
+    def row_stat_spec(self):
+        return pl.BlockSpec((None, self.heads_per_step, self.L), lambda b, g: (b, g, 0))
+
+    def kernel_name(self, phase):
+        static = self.static
+        return calls.kernel_name("attention", phase, static.impl if static.dropout_p else "",
+                                 "causal" if static.causal else "", "packed", blocks=(self.L, self.S))
+
+    def cost(self, bytes_accessed, matmuls):
+        scores = self.B * self.H * self.L * self.S
+        return calls.cost_estimate(bytes_accessed=bytes_accessed,
+                                   flops=scores * 2 * tiling.LANES * matmuls, transcendentals=scores)
+
+    def heads(self):
+        """(column in the step's block, head within the step, the head's flat index in the
+        batch element as a traced int) for each head of the step."""
+        for column in range(self.columns_per_step):
+            for within in range(self.heads_per_column):
+                local = column * self.heads_per_column + within
+                yield column, within, local, pl.program_id(1) * self.heads_per_step + local
+
+    def lane_masks(self, rows):
+        lane = lax.broadcasted_iota(jnp.int32, (rows, tiling.LANES), 1) // self.E
+        return [lane == within for within in range(self.heads_per_column)]
+
+    def scores(self, q_head, k_column):
+        """The head's scaled scores, float32 ``(L, S)``: its query lanes (others zeroed) against
+        the key's whole column; ``-inf`` above the diagonal where causal."""
+        s = lax.dot_general(q_head, k_column, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * np.float32(self.static.scale)
+        if self.static.causal:
+            rows = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(cols <= rows, s, -jnp.inf)
+        return s
+
+    def kept(self, key_ref, head):
+        plane = pl.program_id(0) * self.H + head
+        return attention.kept_weights(self.static, key_ref, plane, 0, 0)
+
+
+def _select_lanes(masks, per_head):
+    """One column from each head's full-width result: head ``j``'s lanes from ``per_head[j]``."""
+    column = per_head[-1]
+    for mask, result in zip(masks[:-1], per_head[:-1]):
+        column = jnp.where(mask, result, column)
+    return column
+
+
+def _forward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, plan: _Plan):
+    static = plan.static
+    masks = plan.lane_masks(plan.L)
+    per_head = []
+    for column, within, local, head in plan.heads():
+        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+        q_head = jnp.where(masks[within], q_ref[:, lanes], jnp.zeros((), q_ref.dtype))
+        s = plan.scores(q_head, k_ref[:, lanes])
+        row_max = jnp.max(s, axis=1, keepdims=True)
+        shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
+        p = jnp.exp(s - shift)
+        total = jnp.sum(p, axis=1, keepdims=True)
+        if static.dropout_p:
+            p = jnp.where(plan.kept(key_ref, head), p, np.float32(0.0))
+        v = v_ref[:, lanes]
+        empty = total == 0.0
+        safe_total = jnp.where(empty, np.float32(1.0), total)
+        scale = attention.kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)
+        per_head.append(jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) * (scale / safe_total))
+        lse_ref[local:local + 1, :] = attention._row(jnp.where(empty, jnp.inf, shift + jnp.log(safe_total)))
+        if within == plan.heads_per_column - 1:
+            out_ref[:, lanes] = _select_lanes(masks, per_head).astype(out_ref.dtype)
+            per_head = []
+
+
+def forward(key_data, query, key, value, *, dropout_p, impl, causal, scale, interpret):
+    """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
+    plan = _Plan(query.shape, key.shape, query.dtype, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+                 interpret=interpret)
+    q, k, v = packed(query), packed(key), packed(value)
+    words = attention.noise_words(key_data, impl, None)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, query.dtype),
+                 jax.ShapeDtypeStruct((plan.B, plan.H, plan.L), jnp.float32)]
+    out, lse = calls.pallas_call(
+        functools.partial(_forward_kernel, plan=plan),
+        name=plan.kernel_name("fwd"),
+        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, *out_shape), matmuls=2),
+        grid=plan.grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S)],
+        out_specs=[plan.spec(plan.L), plan.row_stat_spec()],
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(words, q, k, v)
+    return unpacked(out, plan.H), lse
+
+
+def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_ref, grad_q_ref, grad_k_ref,
+                     grad_v_ref, *, plan: _Plan):
+    static = plan.static
+    query_masks, key_masks = plan.lane_masks(plan.L), plan.lane_masks(plan.S)
+    scale = np.float32(static.scale)
+    per_head = {"q": [], "k": [], "v": []}
+    for column, within, local, head in plan.heads():
+        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+        q, k, v = q_ref[:, lanes], k_ref[:, lanes], v_ref[:, lanes]
+        grad_out = grad_out_ref[:, lanes]
+        mine = query_masks[within]
+        zero = jnp.zeros((), q.dtype)
+        s = plan.scores(jnp.where(mine, q, zero), k)
+        # lse is inf for rows that attend to nothing: their weights are 0.
+        p = jnp.exp(s - jnp.expand_dims(lse_ref[local], -1))
+        # rowsum(dO * O), the softmax's gradient term, from the head's lanes.
+        delta = jnp.sum(jnp.where(mine, grad_out.astype(jnp.float32) * out_ref[:, lanes].astype(jnp.float32),
+                                  np.float32(0.0)), axis=1, keepdims=True)
+        if static.dropout_p:
+            # The kept weights' 1 / (1 - p) on the gradient: a dropped weight is then a select.
+            grad_out = (grad_out.astype(jnp.float32)
+                        * attention.kept_scale(static.impl, static.dropout_p)).astype(grad_out.dtype)
+        grad_p = lax.dot_general(jnp.where(mine, grad_out, zero), v, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        dropped = p
+        if static.dropout_p:
+            kept = plan.kept(key_ref, head)
+            dropped = jnp.where(kept, p, np.float32(0.0))
+            grad_p = jnp.where(kept, grad_p, np.float32(0.0))
+        per_head["v"].append(lax.dot_general(dropped.astype(grad_out.dtype), grad_out, (((0,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32))
+        grad_s = p * (grad_p - delta)
+        per_head["k"].append(lax.dot_general(grad_s.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32) * scale)
+        per_head["q"].append(jnp.dot(grad_s.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale)
+        if within == plan.heads_per_column - 1:
+            for name, ref, masks in (("q", grad_q_ref, query_masks), ("k", grad_k_ref, key_masks),
+                                     ("v", grad_v_ref, key_masks)):
+                ref[:, lanes] = _select_lanes(masks, per_head[name]).astype(ref.dtype)
+                per_head[name] = []
+
+
+def backward(key_data, query, key, value, out, lse, grad_out, *, dropout_p, impl, causal, scale, interpret):
+    """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`."""
+    plan = _Plan(query.shape, key.shape, query.dtype, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+                 interpret=interpret)
+    q, k, v, o, g = (packed(x) for x in (query, key, value, out.astype(query.dtype), grad_out.astype(query.dtype)))
+    words = attention.noise_words(key_data, impl, None)
+    lse = lse.astype(jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (q, k, v)]
+    grad_q, grad_k, grad_v = calls.pallas_call(
+        functools.partial(_backward_kernel, plan=plan),
+        name=plan.kernel_name("dqkv"),
+        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, o, g, lse, *out_shape), matmuls=5),
+        grid=plan.grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S),
+                  plan.spec(plan.L), plan.spec(plan.L), plan.row_stat_spec()],
+        out_specs=[plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S)],
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(words, q, k, v, o, g, lse)
+    return unpacked(grad_q, plan.H), unpacked(grad_k, plan.H), unpacked(grad_v, plan.H)
