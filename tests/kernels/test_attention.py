@@ -14,7 +14,7 @@ from jax._src import config as jax_config
 
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import jax_key, jax_random_part, key_data
-from torch_pallas.kernels import attention, dropout_matmul, packed_attention
+from torch_pallas.kernels import attention, dropout_matmul, heads_in_lanes
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
@@ -102,10 +102,10 @@ CASES = {
     "odd-head-dim-unbatched": ((17, 33), (29, 33), (29, 7), dict(dropout_p=0.5, scale=0.3)),
     "no-dropout": ((2, 3, 40, 64), (2, 3, 50, 64), (2, 3, 50, 32), dict()),
     "dropout-1": ((1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16), dict(dropout_p=1.0)),
-    # Heads packed in lanes (packed_attention): two per 128-lane column, causal; four per column
+    # Several heads in each 128-lane column (heads_in_lanes): two per 128-lane column, causal; four per column
     # over two columns of keys.
-    "packed-heads-causal": ((2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64), dict(causal=True, dropout_p=0.2)),
-    "packed-heads-32": ((1, 8, 24, 32), (1, 8, 256, 32), (1, 8, 256, 32), dict(dropout_p=0.3)),
+    "heads-in-lanes-causal": ((2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64), dict(causal=True, dropout_p=0.2)),
+    "heads-in-lanes-32": ((1, 8, 24, 32), (1, 8, 256, 32), (1, 8, 256, 32), dict(dropout_p=0.3)),
 }
 
 
@@ -233,41 +233,41 @@ def test_short_planes_share_a_grid_step():
     assert attention.resolve_blocks(None, bert, impl="threefry", interpret=False).planes == 1
 
 
-def test_heads_are_packed_in_lanes_for_short_planes_only():
+def test_heads_share_lanes_for_short_planes_only():
     """A transformers model's 128-token attention (no mask, default blocks) runs on the operands as
     its projections hold them; anything else runs the flash kernels."""
     bert = (8, 12, 128, 64)
     options = dict(bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
-    assert packed_attention.takes(bert, bert, bert, **options)
-    assert packed_attention.takes(bert, bert, bert, **dict(options, causal=True))
-    assert packed_attention.takes((2, 8, 24, 32), (2, 8, 256, 32), (2, 8, 256, 32), **options)
+    assert heads_in_lanes.takes(bert, bert, bert, **options)
+    assert heads_in_lanes.takes(bert, bert, bert, **dict(options, causal=True))
+    assert heads_in_lanes.takes((2, 8, 24, 32), (2, 8, 256, 32), (2, 8, 256, 32), **options)
     for changed in (dict(bias=jnp.zeros((128, 128))), dict(gqa=True), dict(blocks=Blocks(128, 128)),
                     dict(global_shape=(16, 12, 1, 1))):
-        assert not packed_attention.takes(bert, bert, bert, **dict(options, **changed))
+        assert not heads_in_lanes.takes(bert, bert, bert, **dict(options, **changed))
     for query, key, value in [((32, 12, 197, 64),) * 3, ((8, 12, 512, 64),) * 3, ((8, 12, 128, 96),) * 3,
                               ((8, 3, 128, 64),) * 3, ((8, 12, 128, 64), (8, 12, 128, 64), (8, 12, 128, 32)),
                               ((8, 12, 128, 64), (1, 12, 128, 64), (1, 12, 128, 64)), ((12, 128, 64),) * 3]:
-        assert not packed_attention.takes(query, key, value, **options)
-    assert not packed_attention.takes((8, 12, 64, 64), bert, bert, **dict(options, causal=True))
+        assert not heads_in_lanes.takes(query, key, value, **options)
+    assert not heads_in_lanes.takes((8, 12, 64, 64), bert, bert, **dict(options, causal=True))
 
 
 @pytest.mark.parametrize("impl", ["threefry", "tiled", "hardware"])
-def test_heads_packed_in_lanes_give_the_flash_kernels_values_and_gradients(impl, emulated_hardware_prng):
+def test_heads_in_lanes_give_the_flash_kernels_values_and_gradients(impl, emulated_hardware_prng):
     """The same mask (plane ``b * H + h``, the whole plane's tiles) and, to rounding, the same
     values and gradients as the flash kernels on the heads' planes."""
     shape = (2, 4, 64, 64), (2, 4, 128, 64)
     rng = np.random.default_rng(4)
     query, key, value = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (shape[0], shape[1], shape[1]))
     grad_out = jnp.asarray(rng.standard_normal(shape[0]), jnp.float32)
-    assert packed_attention.takes(*shape, shape[1], bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
+    assert heads_in_lanes.takes(*shape, shape[1], bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
     results = []
     for blocks in (None, Blocks(64, 128)):
         function = functools.partial(attention.attention, jnp.asarray(KEY), bias=None, dropout_p=0.3, impl=impl,
                                      interpret=True, blocks=blocks, backward_blocks=blocks)
         out, pullback = jax.vjp(function, query, key, value)
         results.append((out, *pullback(grad_out)))
-    for packed, flash in zip(*results):
-        np.testing.assert_allclose(np.asarray(packed), np.asarray(flash), rtol=1e-6, atol=1e-6)
+    for in_lanes, flash in zip(*results):
+        np.testing.assert_allclose(np.asarray(in_lanes), np.asarray(flash), rtol=1e-6, atol=1e-6)
 
 
 def assert_bit_equal(expected, got):

@@ -160,9 +160,9 @@ def attention_mask(shape, dropout_p, head_dim=8, **options):
 @pytest.mark.parametrize("shape,blocks", [
     ((2, 2, 197, 197), [dict(blocks=AttnBlocks(197, 197, 1), backward_blocks=AttnBlocks(197, 197, 2))]),
     ((1, 1, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
-    # head dim 128 = the value's S: the default runs packed_attention's kernels
+    # head dim 128 = the value's S: the default runs heads_in_lanes's kernels
     ((2, 2, 64, 128), [dict(head_dim=128), dict(head_dim=128, blocks=AttnBlocks(64, 128))]),
-], ids=["ViT planes", "several tiles", "heads packed in lanes"])
+], ids=["ViT planes", "several tiles", "heads in lanes"])
 def test_attention_mask_is_the_references_forward_and_backward(shape, blocks):
     """Each plane in attention_tile tiles ((200, 256) for 197 x 197, cut, its hash grid's rows
     rounded up to 224; (8, 128) for 264 x 300), numbered on through the planes, whatever the

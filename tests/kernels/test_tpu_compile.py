@@ -260,7 +260,7 @@ def attention_forward_and_backward(key_data, query, key, value, *bias, **options
 # planes in one grid step: the backward's row statistics are (8, 1, 197) blocks), and 2048 tokens
 # with the default blocks at their largest.
 ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "197": ((2, 4, 197, 64),) * 2,
-                    "2048-head-128": ((1, 2, 2048, 128),) * 2, "128-packed": ((2, 4, 128, 64),) * 2}
+                    "2048-head-128": ((1, 2, 2048, 128),) * 2, "128-heads-in-lanes": ((2, 4, 128, 64),) * 2}
 
 
 # float16 reaches the kernels as float32 (Mosaic has no float16): threefry's float16 compiles its
@@ -272,8 +272,9 @@ ATTENTION_CONFIGURATIONS = [("threefry", "bfloat16"), ("threefry", "float16"), (
 @pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
 def test_attention(generation, impl, dtype):
     """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype,
-    197 in float32; 128 (heads packed in lanes: packed_attention) in both."""
-    for name in ("ragged", "2048-head-128", "128-packed") if dtype == "bfloat16" else ("ragged", "197", "128-packed"):
+    197 in float32; 128 (several heads per lane column: heads_in_lanes) in both."""
+    names = ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197")
+    for name in names + ("128-heads-in-lanes",):
         query_shape, key_shape = ATTENTION_SHAPES[name]
         query, key = (jax.ShapeDtypeStruct(shape, DTYPES[dtype]) for shape in (query_shape, key_shape))
         compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl=impl, causal=True),
@@ -372,8 +373,8 @@ def _compiles_tiled_dropout(generation):
 
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
-# ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn) and BERT's 128 tokens (heads packed
-# in lanes).
+# ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn) and BERT's 128 tokens (several heads
+# per lane column).
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
         functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,
@@ -384,7 +385,7 @@ TILED_CONFIGURATIONS = {
     "attention": lambda generation: compiles(
         functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
         *[jax.ShapeDtypeStruct(ATTENTION_SHAPES["197"][0], jnp.float32)] * 3, generation=generation),
-    "attention-heads-packed": lambda generation: compiles(
+    "attention-heads-in-lanes": lambda generation: compiles(
         functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
         *[jax.ShapeDtypeStruct((8, 12, 128, 64), jnp.float32)] * 3, generation=generation),
     "dropout_matmul": lambda generation: compiles(

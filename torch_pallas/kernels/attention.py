@@ -11,7 +11,9 @@ computed once in the backward pass instead of twice. Where a plane is smaller th
 (ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
 after the other, so the step's fixed cost is shared. Where one block holds every key, key and
 value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
-(:func:`lanes_transposed`: head dims under 128 lanes). The dropout mask is regenerated in every
+(:func:`lanes_transposed`: head dims under 128 lanes). Planes of at most 256 x 256 without a
+mask (BERT's and GPT-2's 128 tokens) run :mod:`heads_in_lanes`'s kernels instead, on the
+operands laid out as the model's projections hold them. The dropout mask is regenerated in every
 kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
@@ -802,10 +804,10 @@ def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret
     return _Static(problem, blocks, float(dropout_p), impl, bool(causal), float(scale), wide, global_batch)
 
 
-def _packed_attention():
-    """The kernels over heads packed in lanes (:mod:`packed_attention`, which builds on this module's)."""
-    from torch_pallas.kernels import packed_attention
-    return packed_attention
+def _heads_in_lanes():
+    """:mod:`heads_in_lanes`, imported when first used: it builds on this module."""
+    from torch_pallas.kernels import heads_in_lanes
+    return heads_in_lanes
 
 
 def _check_options(dropout_p, impl, interpret):
@@ -851,9 +853,9 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                                      causal=causal, scale=scale, gqa=gqa, interpret=interpret, blocks=blocks,
                                      global_shape=global_shape, shard_offset=shard_offset)
         return out.astype(query.dtype), lse
-    if _packed_attention().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
+    if _heads_in_lanes().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
                                  global_shape=global_shape, causal=causal):
-        return _packed_attention().forward(key_data, query, key, value, dropout_p=dropout_p, impl=impl,
+        return _heads_in_lanes().forward(key_data, query, key, value, dropout_p=dropout_p, impl=impl,
                                            causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
@@ -1079,9 +1081,9 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         grads = attention_backward(key_data, wide_query, wide_key, wide_value, wide_out, lse, wide_grad_out, wide_bias,
                                    **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
-    if _packed_attention().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
+    if _heads_in_lanes().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
                                  global_shape=global_shape, causal=causal):
-        return _packed_attention().backward(key_data, query, key, value, out, lse, grad_out, dropout_p=dropout_p,
+        return _heads_in_lanes().backward(key_data, query, key, value, out, lse, grad_out, dropout_p=dropout_p,
                                             impl=impl, causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)

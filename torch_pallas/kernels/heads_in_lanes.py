@@ -1,6 +1,6 @@
-"""Attention over short planes with the heads packed in lanes, ``(B, L, H * E)``, as a
-transformers model's projections hold them: :func:`attention.attention_forward` and
-:func:`attention.attention_backward` run these kernels where :func:`takes` says so.
+"""Attention over short planes on operands laid out as a transformers model's projections hold
+them, ``(B, L, H * E)``: several heads in each 128-lane column. :func:`attention.attention_forward`
+and :func:`attention.attention_backward` run these kernels where :func:`takes` says so.
 
 The flash kernels read ``(B * H, L, E)`` planes, so XLA copies the projections' ``(B, L, H * E)``
 output into that layout for every query, key, value and incoming gradient, and the gradients
@@ -32,7 +32,7 @@ from torch_pallas.kernels import attention, calls, tiling
 # Lengths up to this take one block of rows and one of keys (a step's planes whole).
 MAX_LENGTH = 256
 # A grid step's block of each operand, at most: columns are grouped up to it (VMEM holds the
-# forward's four and the backward's nine, each double-buffered).
+# forward's four and the backward's eight, each double-buffered).
 _MAX_BLOCK_BYTES = 512 * 1024
 
 
@@ -48,35 +48,36 @@ def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, globa
         return False
     S, Ev = key_shape[2], value_shape[3]
     return (E == Ev and tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
-            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH and (not causal or L == S))
+            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH and (not causal or L == S)
+            and _columns_per_step(max(L, S), H * E // tiling.LANES, tiling.LANES // E) is not None)
 
 
-def packed(array):
+def heads_in_lanes(array):
     """``(B, H, L, E)`` as ``(B, L, H * E)``."""
     B, H, L, E = array.shape
     return jnp.swapaxes(array, 1, 2).reshape(B, L, H * E)
 
 
-def unpacked(array, heads: int):
+def heads_apart(array, heads: int):
     """``(B, L, H * E)`` as ``(B, H, L, E)``."""
     B, L, width = array.shape
     return jnp.swapaxes(array.reshape(B, L, heads, width // heads), 1, 2)
 
 
-def _columns_per_step(rows: int, columns: int, heads_per_column: int, itemsize: int) -> int:
-    """The most columns per grid step whose block fits :data:`_MAX_BLOCK_BYTES`, dividing the
-    columns, with whole 8-row blocks of the row statistics' heads (or every head)."""
+def _columns_per_step(rows: int, columns: int, heads_per_column: int) -> int | None:
+    """The most columns per grid step whose float32 block fits :data:`_MAX_BLOCK_BYTES`, dividing
+    the columns, with whole 8-row blocks of the row statistics' heads (or every head); None if none."""
     fits = [g for g in range(1, columns + 1)
             if columns % g == 0 and (g == columns or g * heads_per_column % tiling.SUBLANES == 0)
-            and rows * g * tiling.LANES * itemsize <= _MAX_BLOCK_BYTES]
-    return max(fits) if fits else columns
+            and rows * g * tiling.LANES * 4 <= _MAX_BLOCK_BYTES]
+    return max(fits, default=None)
 
 
 class _Plan:
     """One call's shapes: heads, lengths, columns per grid step, and the flash kernels' static
     configuration for whole planes (:func:`attention.kept_weights` draws the mask from it)."""
 
-    def __init__(self, query_shape, key_shape, dtype, *, dropout_p, impl, causal, scale, interpret):
+    def __init__(self, query_shape, key_shape, *, dropout_p, impl, causal, scale, interpret):
         self.B, self.H, self.L, self.E = query_shape
         self.S = key_shape[2]
         problem = attention.resolve_problem(query_shape, key_shape, key_shape)
@@ -85,8 +86,7 @@ class _Plan:
                                                interpret=interpret, backward=False, global_shape=None)
         self.heads_per_column = tiling.LANES // self.E
         columns = self.H * self.E // tiling.LANES
-        self.columns_per_step = _columns_per_step(max(self.L, self.S), columns, self.heads_per_column,
-                                                  jnp.dtype(dtype).itemsize)
+        self.columns_per_step = _columns_per_step(max(self.L, self.S), columns, self.heads_per_column)
         self.grid = (self.B, columns // self.columns_per_step)
         self.heads_per_step = self.columns_per_step * self.heads_per_column
 
@@ -99,7 +99,7 @@ class _Plan:
     def kernel_name(self, phase):
         static = self.static
         return calls.kernel_name("attention", phase, static.impl if static.dropout_p else "",
-                                 "causal" if static.causal else "", "packed", blocks=(self.L, self.S))
+                                 "causal" if static.causal else "", "lanes", blocks=(self.L, self.S))
 
     def cost(self, bytes_accessed, matmuls):
         scores = self.B * self.H * self.L * self.S
@@ -169,9 +169,9 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, plan: _Pl
 
 def forward(key_data, query, key, value, *, dropout_p, impl, causal, scale, interpret):
     """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
-    plan = _Plan(query.shape, key.shape, query.dtype, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    plan = _Plan(query.shape, key.shape, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
-    q, k, v = packed(query), packed(key), packed(value)
+    q, k, v = heads_in_lanes(query), heads_in_lanes(key), heads_in_lanes(value)
     words = attention.noise_words(key_data, impl, None)
     out_shape = [jax.ShapeDtypeStruct(q.shape, query.dtype),
                  jax.ShapeDtypeStruct((plan.B, plan.H, plan.L), jnp.float32)]
@@ -186,7 +186,7 @@ def forward(key_data, query, key, value, *, dropout_p, impl, causal, scale, inte
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(words, q, k, v)
-    return unpacked(out, plan.H), lse
+    return heads_apart(out, plan.H), lse
 
 
 def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_ref, grad_q_ref, grad_k_ref,
@@ -233,9 +233,9 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_re
 
 def backward(key_data, query, key, value, out, lse, grad_out, *, dropout_p, impl, causal, scale, interpret):
     """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`."""
-    plan = _Plan(query.shape, key.shape, query.dtype, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    plan = _Plan(query.shape, key.shape, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
-    q, k, v, o, g = (packed(x) for x in (query, key, value, out.astype(query.dtype), grad_out.astype(query.dtype)))
+    q, k, v, o, g = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value, out, grad_out))
     words = attention.noise_words(key_data, impl, None)
     lse = lse.astype(jnp.float32)
     out_shape = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (q, k, v)]
@@ -251,4 +251,4 @@ def backward(key_data, query, key, value, out, lse, grad_out, *, dropout_p, impl
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(words, q, k, v, o, g, lse)
-    return unpacked(grad_q, plan.H), unpacked(grad_k, plan.H), unpacked(grad_v, plan.H)
+    return heads_apart(grad_q, plan.H), heads_apart(grad_k, plan.H), heads_apart(grad_v, plan.H)
