@@ -15,6 +15,8 @@ CASES = {
     "causal-L-ne-S": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8)), dict(is_causal=True)),
     "bool-mask": (((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 16)), dict(attn_mask=fully_masked_row_mask)),
     "gqa-scale": (((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 16)), dict(enable_gqa=True, scale=0.2)),
+    # 128 tokens, head dim 64, no mask: kernels.heads_in_lanes
+    "heads-in-lanes-causal": (((2, 2, 128, 64),) * 3, dict(is_causal=True)),
 }
 
 

@@ -54,10 +54,15 @@ def attention_with_torch_pallas_dropout(query, key, value, dropout_p, seed, is_c
     return torch_pallas.dropout(torch.softmax(scores, -1), dropout_p, seed=seed) @ value
 
 
-def test_dropout_is_torch_pallas_dropout_of_the_weights_with_the_same_seed():
+# The flash kernels, and 128 tokens of head dim 64 without a mask (kernels.heads_in_lanes).
+SHAPES = {"flash": ((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8)), "heads-in-lanes": ((2, 2, 128, 64),) * 3}
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+def test_dropout_is_torch_pallas_dropout_of_the_weights_with_the_same_seed(shapes):
     """docs/noise.md, Attention's mask: the fused kernel's mask is the one torch_pallas.dropout draws
     for the weights."""
-    tensors = operands((2, 3, 24, 16), (2, 3, 40, 16), (2, 3, 40, 8))
+    tensors = operands(*SHAPES[shapes])
     ours = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.3, is_causal=True, seed=11)
     written_out = attention_with_torch_pallas_dropout(*tensors, 0.3, 11, is_causal=True)
     torch.testing.assert_close(ours, written_out, atol=2e-6, rtol=1e-5)
@@ -129,8 +134,9 @@ def test_empty_shapes_give_torchs_results():
     assert out.shape == (2, 3, 4) and not out.cpu().any()
 
 
-def test_compiled_fullgraph_draws_fresh_keys_without_recompiling_and_matches_eager_for_a_seed():
-    tensors = operands((2, 2, 24, 16), (2, 2, 24, 16), (2, 2, 24, 16))
+@pytest.mark.parametrize("length, head_dim", [(24, 16), (128, 64)], ids=["flash", "heads-in-lanes"])
+def test_compiled_fullgraph_draws_fresh_keys_without_recompiling_and_matches_eager_for_a_seed(length, head_dim):
+    tensors = operands(*[(2, 2, length, head_dim)] * 3)
 
     @torch.compile(backend="openxla", fullgraph=True)
     def attend(query, key, value):
@@ -152,8 +158,9 @@ def test_compiled_fullgraph_draws_fresh_keys_without_recompiling_and_matches_eag
     torch.testing.assert_close(seeded(*tensors), eager, atol=2e-6, rtol=1e-5)
 
 
-def test_torch_func_grad_and_no_forward_mode():
-    query, key, value = (t.detach() for t in operands((2, 16, 8), (2, 16, 8), (2, 16, 8)))
+@pytest.mark.parametrize("shape", [(2, 16, 8), (1, 2, 128, 64)], ids=["flash", "heads-in-lanes"])
+def test_torch_func_grad_and_no_forward_mode(shape):
+    query, key, value = (t.detach() for t in operands(shape, shape, shape))
 
     def loss(query):
         return torch_pallas.scaled_dot_product_attention(query, key, value, dropout_p=0.3, seed=2).square().sum()
@@ -165,8 +172,9 @@ def test_torch_func_grad_and_no_forward_mode():
         torch.func.jvp(loss, (query.detach(),), (torch.ones_like(query),))
 
 
-def test_checkpoint_recomputes_the_forwards_attention_mask(monkeypatch):
-    tensors = operands((2, 2, 24, 16), (2, 2, 24, 16), (2, 2, 24, 16))
+@pytest.mark.parametrize("length, head_dim", [(24, 16), (128, 64)], ids=["flash", "heads-in-lanes"])
+def test_checkpoint_recomputes_the_forwards_attention_mask(monkeypatch, length, head_dim):
+    tensors = operands(*[(2, 2, length, head_dim)] * 3)
     keys = record_dropout_keys(monkeypatch)
     out = torch_pallas.checkpoint(
         lambda q, k, v: torch_pallas.scaled_dot_product_attention(q, k, v, dropout_p=0.3), *tensors)

@@ -12,6 +12,7 @@ import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from torch_pallas import residual_fusion
+from torch_pallas.kernels import heads_in_lanes
 from kernel_calls import record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
@@ -176,3 +177,33 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
     assert losses[-1] < losses[0] - 0.3, losses
     assert len(graphs) == 1 and torchs_dropouts(graphs[0]) == []
     assert fused[0] == residual_dropouts, fused  # the forward graph's; the backward fuses gradient sums too
+
+
+def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch):
+    """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, no padding
+    mask) runs kernels.heads_in_lanes forward and backward, and learns. (Under torch.compile
+    transformers keeps an all-ones padding mask, which takes the flash kernels.)"""
+    ran = []
+    for phase in ("forward", "backward"):
+        kernel = getattr(heads_in_lanes, phase)
+        monkeypatch.setattr(heads_in_lanes, phase,
+                            lambda *args, _kernel=kernel, _phase=phase, **options: ran.append(_phase)
+                            or _kernel(*args, **options))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=128)
+    model = transformers.BertForMaskedLM(config).to(torch_xla.device()).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.randint(0, 128, (2, 128)).to(torch_xla.device())
+    losses = []
+    for _ in range(4):
+        with torch_pallas.route_dropout(impl="tiled"):
+            logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+    assert ran == ["forward", "backward"], ran  # traced once, then cached
+    assert losses[-1] < losses[0] - 0.3, losses
