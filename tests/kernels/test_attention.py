@@ -106,6 +106,13 @@ CASES = {
     # over two columns of keys.
     "heads-in-lanes-causal": ((2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64), dict(causal=True, dropout_p=0.2)),
     "heads-in-lanes-32": ((1, 8, 24, 32), (1, 8, 256, 32), (1, 8, 256, 32), dict(dropout_p=0.3)),
+    # A padding mask (a row of batch 1 with nothing to attend to); a float mask per row, broadcast
+    # over the batch, whose gradient the flash kernels give (the forward's log-sum-exp is theirs).
+    "heads-in-lanes-padding-mask": ((2, 4, 64, 64), (2, 4, 128, 64), (2, 4, 128, 64),
+                                    dict(bias=jnp.asarray(np.arange(128) < [[[[128]]], [[[100]]]]), dropout_p=0.2)),
+    "heads-in-lanes-float-mask": ((2, 2, 64, 64), (2, 2, 128, 64), (2, 2, 128, 64),
+                                  dict(bias=jnp.asarray(np.random.default_rng(5).standard_normal((1, 1, 64, 128)),
+                                                        jnp.float32), dropout_p=0.1)),
 }
 
 
@@ -234,14 +241,18 @@ def test_short_planes_share_a_grid_step():
 
 
 def test_heads_share_lanes_for_short_planes_only():
-    """A transformers model's 128-token attention (no mask, default blocks) runs on the operands as
-    its projections hold them; anything else runs the flash kernels."""
+    """A transformers model's 128-token attention (default blocks; a padding or causal mask, the
+    same for every head, without its gradient) runs on the operands as its projections hold them;
+    anything else runs the flash kernels."""
     bert = (8, 12, 128, 64)
     options = dict(bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
     assert heads_in_lanes.takes(bert, bert, bert, **options)
     assert heads_in_lanes.takes(bert, bert, bert, **dict(options, causal=True))
     assert heads_in_lanes.takes((2, 8, 24, 32), (2, 8, 256, 32), (2, 8, 256, 32), **options)
-    for changed in (dict(bias=jnp.zeros((128, 128))), dict(gqa=True), dict(blocks=Blocks(128, 128)),
+    for mask in (jnp.zeros((8, 1, 1, 128), bool), jnp.zeros((128, 128)), jnp.zeros((1, 1, 128, 128))):
+        assert heads_in_lanes.takes(bert, bert, bert, **dict(options, bias=mask))
+    for changed in (dict(bias=jnp.zeros((8, 12, 128, 128))), dict(bias=jnp.zeros((8, 1, 128, 1))),
+                    dict(bias=jnp.zeros((128, 128)), bias_grad=True), dict(gqa=True), dict(blocks=Blocks(128, 128)),
                     dict(global_shape=(16, 12, 1, 1))):
         assert not heads_in_lanes.takes(bert, bert, bert, **dict(options, **changed))
     for query, key, value in [((32, 12, 197, 64),) * 3, ((8, 12, 512, 64),) * 3, ((8, 12, 128, 96),) * 3,

@@ -11,9 +11,9 @@ computed once in the backward pass instead of twice. Where a plane is smaller th
 (ViT's 197 x 197), a grid step takes several planes (:class:`AttentionBlocks` ``planes``), one
 after the other, so the step's fixed cost is shared. Where one block holds every key, key and
 value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
-(:func:`lanes_transposed`: head dims under 128 lanes). Planes of at most 256 x 256 without a
-mask (BERT's and GPT-2's 128 tokens) run :mod:`heads_in_lanes`'s kernels instead, on the
-operands laid out as the model's projections hold them. The dropout mask is regenerated in every
+(:func:`lanes_transposed`: head dims under 128 lanes). Planes of at most 256 x 256 with at most a
+mask shared by the heads (BERT's and GPT-2's 128 tokens) run :mod:`heads_in_lanes`'s kernels
+instead, on the operands laid out as the model's projections hold them. The dropout mask is regenerated in every
 kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
@@ -854,9 +854,9 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
                                      global_shape=global_shape, shard_offset=shard_offset)
         return out.astype(query.dtype), lse
     if _heads_in_lanes().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
-                                 global_shape=global_shape, causal=causal):
-        return _heads_in_lanes().forward(key_data, query, key, value, dropout_p=dropout_p, impl=impl,
-                                           causal=causal, scale=scale, interpret=interpret)
+                               global_shape=global_shape, causal=causal):
+        return _heads_in_lanes().forward(key_data, query, key, value, bias, dropout_p=dropout_p, impl=impl,
+                                         causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
@@ -1082,9 +1082,9 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
                                    **options)
         return tuple(grad.astype(operand.dtype) for grad, operand in zip(grads, (query, key, value, bias)))
     if _heads_in_lanes().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
-                                 global_shape=global_shape, causal=causal):
-        return _heads_in_lanes().backward(key_data, query, key, value, out, lse, grad_out, dropout_p=dropout_p,
-                                            impl=impl, causal=causal, scale=scale, interpret=interpret)
+                               global_shape=global_shape, causal=causal, bias_grad=bias_grad):
+        return _heads_in_lanes().backward(key_data, query, key, value, out, lse, grad_out, bias, dropout_p=dropout_p,
+                                          impl=impl, causal=causal, scale=scale, interpret=interpret)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=True, global_shape=global_shape)
     blocks = static.blocks

@@ -36,20 +36,35 @@ MAX_LENGTH = 256
 _MAX_BLOCK_BYTES = 512 * 1024
 
 
-def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, global_shape, causal: bool) -> bool:
+def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, global_shape, causal: bool,
+          bias_grad: bool = False) -> bool:
     """Whether a call runs as these kernels: ``(B, H, L, E)`` query, key and value of the same batch
-    dims, no mask or GQA, the default blocks, not a shard; a head dim that divides 128 lanes and
-    whole columns of heads; ``L`` whole sublanes and ``S`` whole lanes, both at most
-    :data:`MAX_LENGTH`; causal only with ``L == S``."""
-    if bias is not None or gqa or blocks is not None or global_shape is not None or len(query_shape) != 4:
+    dims, no GQA, the default blocks, not a shard; a mask, if any, the same for every head (a
+    padding or causal mask: :func:`_bias_shape`) and without its gradient (``bias_grad``); a head
+    dim that divides 128 lanes and whole columns of heads; ``L`` whole sublanes and ``S`` whole
+    lanes, both at most :data:`MAX_LENGTH`; causal only with ``L == S``."""
+    if gqa or blocks is not None or global_shape is not None or bias_grad or len(query_shape) != 4:
         return False
     B, H, L, E = query_shape
     if tuple(key_shape[:2]) != (B, H) or tuple(value_shape[:2]) != (B, H):
         return False
     S, Ev = key_shape[2], value_shape[3]
+    if bias is not None and _bias_shape(bias.shape, B, L, S) is None:
+        return False
     return (E == Ev and tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
             and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH and (not causal or L == S)
             and _columns_per_step(max(L, S), H * E // tiling.LANES, tiling.LANES // E) is not None)
+
+
+def _bias_shape(shape, B: int, L: int, S: int):
+    """A mask's ``(batch, rows, S)``, its batch 1 or ``B`` and rows 1 or ``L``, where it is the same
+    for every head and has a column per key; else None."""
+    if len(shape) > 4:
+        return None
+    batch, heads, rows, cols = (1,) * (4 - len(shape)) + tuple(shape)
+    if heads != 1 or cols != S or batch not in (1, B) or rows not in (1, L):
+        return None
+    return batch, rows, cols
 
 
 def heads_in_lanes(array):
@@ -74,12 +89,13 @@ def _columns_per_step(rows: int, columns: int, heads_per_column: int) -> int | N
 
 
 class _Plan:
-    """One call's shapes: heads, lengths, columns per grid step, and the flash kernels' static
-    configuration for whole planes (:func:`attention.kept_weights` draws the mask from it)."""
+    """One call's shapes: heads, lengths, the mask's, columns per grid step, and the flash kernels'
+    static configuration for whole planes (:func:`attention.kept_weights` draws the mask from it)."""
 
-    def __init__(self, query_shape, key_shape, *, dropout_p, impl, causal, scale, interpret):
+    def __init__(self, query_shape, key_shape, bias, *, dropout_p, impl, causal, scale, interpret):
         self.B, self.H, self.L, self.E = query_shape
         self.S = key_shape[2]
+        self.bias_shape = None if bias is None else _bias_shape(bias.shape, self.B, self.L, self.S)
         problem = attention.resolve_problem(query_shape, key_shape, key_shape)
         self.static = attention.resolve_static(problem, attention.AttentionBlocks(self.L, self.S, 1),
                                                dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
@@ -92,6 +108,16 @@ class _Plan:
 
     def spec(self, rows):
         return pl.BlockSpec((None, rows, self.columns_per_step * tiling.LANES), lambda b, g: (b, 0, g))
+
+    def bias(self, bias, dtype):
+        """The mask as the kernels read it: ``(batch, rows, S)``, a boolean one as 0 / -inf in ``dtype``."""
+        if bias.dtype == jnp.bool_:
+            bias = jnp.where(bias, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))
+        return bias.reshape(self.bias_shape)
+
+    def bias_spec(self):
+        batch, rows, cols = self.bias_shape
+        return pl.BlockSpec((None, rows, cols), lambda b, g: (b if batch > 1 else 0, 0, 0))
 
     def row_stat_spec(self):
         return pl.BlockSpec((None, self.heads_per_step, self.L), lambda b, g: (b, g, 0))
@@ -118,11 +144,13 @@ class _Plan:
         lane = lax.broadcasted_iota(jnp.int32, (rows, tiling.LANES), 1) // self.E
         return [lane == within for within in range(self.heads_per_column)]
 
-    def scores(self, q_head, k_column):
+    def scores(self, q_head, k_column, bias_ref):
         """The head's scaled scores, float32 ``(L, S)``: its query lanes (others zeroed) against
-        the key's whole column; ``-inf`` above the diagonal where causal."""
+        the key's whole column, plus the mask; ``-inf`` above the diagonal where causal."""
         s = lax.dot_general(q_head, k_column, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * np.float32(self.static.scale)
+        if bias_ref is not None:
+            s = s + bias_ref[...].astype(jnp.float32)
         if self.static.causal:
             rows = lax.broadcasted_iota(jnp.int32, s.shape, 0)
             cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -142,14 +170,15 @@ def _select_lanes(masks, per_head):
     return column
 
 
-def _forward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, plan: _Plan):
+def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+    bias_ref, out_ref, lse_ref = refs if plan.bias_shape else (None, *refs)
     static = plan.static
     masks = plan.lane_masks(plan.L)
     per_head = []
     for column, within, local, head in plan.heads():
         lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
         q_head = jnp.where(masks[within], q_ref[:, lanes], jnp.zeros((), q_ref.dtype))
-        s = plan.scores(q_head, k_ref[:, lanes])
+        s = plan.scores(q_head, k_ref[:, lanes], bias_ref)
         row_max = jnp.max(s, axis=1, keepdims=True)
         shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
         p = jnp.exp(s - shift)
@@ -167,30 +196,33 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, plan: _Pl
             per_head = []
 
 
-def forward(key_data, query, key, value, *, dropout_p, impl, causal, scale, interpret):
+def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, scale, interpret):
     """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
-    plan = _Plan(query.shape, key.shape, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    plan = _Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
     q, k, v = heads_in_lanes(query), heads_in_lanes(key), heads_in_lanes(value)
+    masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     words = attention.noise_words(key_data, impl, None)
     out_shape = [jax.ShapeDtypeStruct(q.shape, query.dtype),
                  jax.ShapeDtypeStruct((plan.B, plan.H, plan.L), jnp.float32)]
     out, lse = calls.pallas_call(
         functools.partial(_forward_kernel, plan=plan),
         name=plan.kernel_name("fwd"),
-        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, *out_shape), matmuls=2),
+        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, *masks, *out_shape), matmuls=2),
         grid=plan.grid,
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S)],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S),
+                  *([plan.bias_spec()] if masks else [])],
         out_specs=[plan.spec(plan.L), plan.row_stat_spec()],
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-    )(words, q, k, v)
+    )(words, q, k, v, *masks)
     return heads_apart(out, plan.H), lse
 
 
-def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_ref, grad_q_ref, grad_k_ref,
-                     grad_v_ref, *, plan: _Plan):
+def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+    bias_ref, refs = (refs[0], refs[1:]) if plan.bias_shape else (None, refs)
+    out_ref, grad_out_ref, lse_ref, grad_q_ref, grad_k_ref, grad_v_ref = refs
     static = plan.static
     query_masks, key_masks = plan.lane_masks(plan.L), plan.lane_masks(plan.S)
     scale = np.float32(static.scale)
@@ -201,7 +233,7 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_re
         grad_out = grad_out_ref[:, lanes]
         mine = query_masks[within]
         zero = jnp.zeros((), q.dtype)
-        s = plan.scores(jnp.where(mine, q, zero), k)
+        s = plan.scores(jnp.where(mine, q, zero), k, bias_ref)
         # lse is inf for rows that attend to nothing: their weights are 0.
         p = jnp.exp(s - jnp.expand_dims(lse_ref[local], -1))
         # rowsum(dO * O), the softmax's gradient term, from the head's lanes.
@@ -231,10 +263,13 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, out_ref, grad_out_ref, lse_re
                 per_head[name] = []
 
 
-def backward(key_data, query, key, value, out, lse, grad_out, *, dropout_p, impl, causal, scale, interpret):
-    """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`."""
-    plan = _Plan(query.shape, key.shape, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+def backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p, impl, causal, scale,
+             interpret):
+    """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`
+    (a mask gets none)."""
+    plan = _Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
+    masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     q, k, v, o, g = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value, out, grad_out))
     words = attention.noise_words(key_data, impl, None)
     lse = lse.astype(jnp.float32)
@@ -242,13 +277,13 @@ def backward(key_data, query, key, value, out, lse, grad_out, *, dropout_p, impl
     grad_q, grad_k, grad_v = calls.pallas_call(
         functools.partial(_backward_kernel, plan=plan),
         name=plan.kernel_name("dqkv"),
-        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, o, g, lse, *out_shape), matmuls=5),
+        cost_estimate=plan.cost(calls.nbytes(words, q, k, v, *masks, o, g, lse, *out_shape), matmuls=5),
         grid=plan.grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S),
-                  plan.spec(plan.L), plan.spec(plan.L), plan.row_stat_spec()],
+                  *([plan.bias_spec()] if masks else []), plan.spec(plan.L), plan.spec(plan.L), plan.row_stat_spec()],
         out_specs=[plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S)],
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-    )(words, q, k, v, o, g, lse)
+    )(words, q, k, v, *masks, o, g, lse)
     return heads_apart(grad_q, plan.H), heads_apart(grad_k, plan.H), heads_apart(grad_v, plan.H)
