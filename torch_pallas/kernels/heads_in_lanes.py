@@ -18,7 +18,6 @@ call gives what the flash kernels give, to rounding.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import jax
@@ -133,8 +132,8 @@ class _Plan:
                                    flops=scores * 2 * tiling.LANES * matmuls, transcendentals=scores)
 
     def heads(self):
-        """(column in the step's block, head within the step, the head's flat index in the
-        batch element as a traced int) for each head of the step."""
+        """Each head of the step: (its column in the step's block, its place in the column, its
+        place in the step, its index in the batch element, a traced int)."""
         for column in range(self.columns_per_step):
             for within in range(self.heads_per_column):
                 local = column * self.heads_per_column + within
