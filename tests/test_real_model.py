@@ -180,9 +180,8 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
 
 
 def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch):
-    """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, no padding
-    mask) runs kernels.heads_in_lanes forward and backward, and learns. (Under torch.compile
-    transformers keeps an all-ones padding mask, which takes the flash kernels.)"""
+    """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, a padding
+    mask, the same for every head) runs kernels.heads_in_lanes forward and backward, and learns."""
     ran = []
     for phase in ("forward", "backward"):
         kernel = getattr(heads_in_lanes, phase)
@@ -195,10 +194,13 @@ def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and
     model = transformers.BertForMaskedLM(config).to(torch_xla.device()).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, 128, (2, 128)).to(torch_xla.device())
+    padding = torch.ones(2, 128, dtype=torch.long)
+    padding[1, 100:] = 0
+    padding = padding.to(torch_xla.device())
     losses = []
     for _ in range(4):
         with torch_pallas.route_dropout(impl="tiled"):
-            logits = model(input_ids=ids).logits
+            logits = model(input_ids=ids, attention_mask=padding).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids.reshape(-1))
         loss.backward()
         optimizer.step()
