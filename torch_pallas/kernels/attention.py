@@ -638,7 +638,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         # The kept weights' 1 / (1 - p) joins the normaliser: once per row, not per weight.
         inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
         out_ref[...] = (acc_ref[...] * _lanes(inverse, static.problem.Ev)).astype(out_ref.dtype)
-        lse_ref[...] = _row(jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total)))
+        lse_ref[...] = row_stat_row(jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total)))
 
 
 def _whole_rows_forward(key_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, static: _Static, b, q_index):
@@ -646,22 +646,32 @@ def _whole_rows_forward(key_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref
     running statistics and their corrections, which a single step does not need (128 keys: about
     a sixth of the kernel's bundles)."""
     s = _score_block(static, q_ref[...], k_ref[...], bias_ref, q_index, 0)
+    p, inverse, lse = whole_rows_softmax(static, s, lambda: kept_weights(static, key_ref, b, q_index, 0))
+    v = v_ref[...]
+    out_ref[...] = (matmul(p.astype(v.dtype), v, static.value_transposed) * inverse).astype(out_ref.dtype)
+    lse_ref[...] = row_stat_row(lse)
+
+
+def whole_rows_softmax(static: _Static, s, kept):
+    """Whole rows of scores ``s`` (float32, ``-inf`` where masked) as ``(weights, inverse, lse)``:
+    the exponentials shifted by each row's maximum, dropped where ``kept()`` is False; each row's
+    factor, the kept weights' ``1 / (1 - p)`` over the row's sum (torch's safe softmax: a row with
+    nothing to attend to gives zeros); and the row's log-sum-exp, ``inf`` for such a row. Columns
+    ``(rows, 1)``."""
     row_max = jnp.max(s, axis=1, keepdims=True)
+    # A row with no score above -inf subtracts 0, so its exponentials are 0, not NaN.
     shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
     p = jnp.exp(s - shift)
     total = jnp.sum(p, axis=1, keepdims=True)
     if static.dropout_p:
-        p = jnp.where(kept_weights(static, key_ref, b, q_index, 0), p, np.float32(0.0))
-    v = v_ref[...]
-    acc = matmul(p.astype(v.dtype), v, static.value_transposed)
+        p = jnp.where(kept(), p, np.float32(0.0))
     empty = total == 0.0
     safe_total = jnp.where(empty, np.float32(1.0), total)
     inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
-    out_ref[...] = (acc * inverse).astype(out_ref.dtype)
-    lse_ref[...] = _row(jnp.where(empty, jnp.inf, shift + jnp.log(safe_total)))
+    return p, inverse, jnp.where(empty, jnp.inf, shift + jnp.log(safe_total))
 
 
-def _row(row_stat):
+def row_stat_row(row_stat):
     """A row statistic, a (rows, 1) column or (rows, ROW_STAT_LANES) with every lane the row's
     value, as the (1, rows) row :func:`_row_stat_spec` writes (one transpose of a vreg column)."""
     return jnp.broadcast_to(row_stat, (row_stat.shape[0], ROW_STAT_LANES)).T[:1]

@@ -171,25 +171,16 @@ def _select_lanes(masks, per_head):
 
 def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
     bias_ref, out_ref, lse_ref = refs if plan.bias_shape else (None, *refs)
-    static = plan.static
     masks = plan.lane_masks(plan.L)
     per_head = []
     for column, within, local, head in plan.heads():
         lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
         q_head = jnp.where(masks[within], q_ref[:, lanes], jnp.zeros((), q_ref.dtype))
         s = plan.scores(q_head, k_ref[:, lanes], bias_ref)
-        row_max = jnp.max(s, axis=1, keepdims=True)
-        shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
-        p = jnp.exp(s - shift)
-        total = jnp.sum(p, axis=1, keepdims=True)
-        if static.dropout_p:
-            p = jnp.where(plan.kept(key_ref, head), p, np.float32(0.0))
+        p, inverse, lse = attention.whole_rows_softmax(plan.static, s, lambda: plan.kept(key_ref, head))
         v = v_ref[:, lanes]
-        empty = total == 0.0
-        safe_total = jnp.where(empty, np.float32(1.0), total)
-        scale = attention.kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)
-        per_head.append(jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) * (scale / safe_total))
-        lse_ref[local:local + 1, :] = attention._row(jnp.where(empty, jnp.inf, shift + jnp.log(safe_total)))
+        per_head.append(jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) * inverse)
+        lse_ref[local:local + 1, :] = attention.row_stat_row(lse)
         if within == plan.heads_per_column - 1:
             out_ref[:, lanes] = _select_lanes(masks, per_head).astype(out_ref.dtype)
             per_head = []
