@@ -102,14 +102,16 @@ CASES = {
     "odd-head-dim-unbatched": ((17, 33), (29, 33), (29, 7), dict(dropout_p=0.5, scale=0.3)),
     "no-dropout": ((2, 3, 40, 64), (2, 3, 50, 64), (2, 3, 50, 32), dict()),
     "dropout-1": ((1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16), dict(dropout_p=1.0)),
-    # Several heads in each 128-lane column (heads_in_lanes): two per 128-lane column, causal; four per column
-    # over two columns of keys.
+    # heads_in_lanes: two heads per 128-lane column, causal; four per column over two columns of keys.
     "heads-in-lanes-causal": ((2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64), dict(causal=True, dropout_p=0.2)),
     "heads-in-lanes-32": ((1, 8, 24, 32), (1, 8, 256, 32), (1, 8, 256, 32), dict(dropout_p=0.3)),
-    # A padding mask (a row of batch 1 with nothing to attend to); a float mask per row, broadcast
-    # over the batch, whose gradient the flash kernels give (the forward's log-sum-exp is theirs).
+    # A boolean mask per row, the same for every head (batch 1's last 28 keys padding, its row 5
+    # with nothing to attend to); a float mask per row, broadcast over the batch, whose gradient
+    # the flash kernels give (the forward's log-sum-exp is theirs).
     "heads-in-lanes-padding-mask": ((2, 4, 64, 64), (2, 4, 128, 64), (2, 4, 128, 64),
-                                    dict(bias=jnp.asarray(np.arange(128) < [[[[128]]], [[[100]]]]), dropout_p=0.2)),
+                                    dict(bias=jnp.asarray((np.arange(128) < [[[[128]]], [[[100]]]])
+                                                          & (np.arange(64)[:, None] != [[[[-1]]], [[[5]]]])),
+                                         dropout_p=0.2)),
     "heads-in-lanes-float-mask": ((2, 2, 64, 64), (2, 2, 128, 64), (2, 2, 128, 64),
                                   dict(bias=jnp.asarray(np.random.default_rng(5).standard_normal((1, 1, 64, 128)),
                                                         jnp.float32), dropout_p=0.1)),
