@@ -704,6 +704,14 @@ def flatten(array):
     return array.reshape(-1, *array.shape[-2:])
 
 
+def additive_mask(bias, dtype):
+    """An attention mask as the kernels add it to the scores: a boolean one (True takes part) as 0 /
+    -inf in ``dtype``, a float one as it is."""
+    if bias.dtype == jnp.bool_:
+        return jnp.where(bias, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))
+    return bias
+
+
 def _kernel_operands(query, key, value, bias, static: _Static, L_padded: int):
     """query (broadcast to the output's batch), key, value and the bias as the kernels read
     them: flat batch, lengths padded to whole blocks, key and value planes transposed where
@@ -714,8 +722,7 @@ def _kernel_operands(query, key, value, bias, static: _Static, L_padded: int):
     k = planes_as_read(padded(flatten(key), 1, S_padded), static.key_transposed)
     v = planes_as_read(padded(flatten(value), 1, S_padded), static.value_transposed)
     if bias is not None:
-        if bias.dtype == jnp.bool_:
-            bias = jnp.where(bias, jnp.zeros((), query.dtype), jnp.full((), -jnp.inf, query.dtype))
+        bias = additive_mask(bias, query.dtype)
         bias = bias.reshape((1,) * max(0, 2 - bias.ndim) + bias.shape)
         bias = padded(flatten(jnp.broadcast_to(bias, (*bias.shape[:-1], problem.S))), 2, S_padded)
         if problem.bias_rows != 1:

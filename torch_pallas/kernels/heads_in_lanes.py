@@ -109,10 +109,8 @@ class _Plan:
         return pl.BlockSpec((None, rows, self.columns_per_step * tiling.LANES), lambda b, g: (b, 0, g))
 
     def bias(self, bias, dtype):
-        """The mask as the kernels read it: ``(batch, rows, S)``, a boolean one as 0 / -inf in ``dtype``."""
-        if bias.dtype == jnp.bool_:
-            bias = jnp.where(bias, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))
-        return bias.reshape(self.bias_shape)
+        """The mask as the kernels read it, ``(batch, rows, S)``: :func:`attention.additive_mask`."""
+        return attention.additive_mask(bias, dtype).reshape(self.bias_shape)
 
     def bias_spec(self):
         batch, rows, cols = self.bias_shape
