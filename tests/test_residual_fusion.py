@@ -154,10 +154,16 @@ MATMUL_FORMS = {
 }
 
 
+# Weights and values: planes, and short planes whose heads fill whole lane columns (heads in lanes).
+PRODUCT_SHAPES = {"planes": ((2, 3, 16, 256), 8), "heads-in-lanes": ((2, 4, 16, 128), 32)}
+
+
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES)
 @pytest.mark.parametrize("form", MATMUL_FORMS)
-def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(form):
-    w, v = integers(2, 3, 16, 256).requires_grad_(), integers(2, 3, 256, 8).requires_grad_()
-    weights = integers(2, 3, 16, 8)
+def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(form, shape):
+    (*batch, L, S), Ev = PRODUCT_SHAPES[shape]
+    w, v = integers(*batch, L, S).requires_grad_(), integers(*batch, S, Ev).requires_grad_()
+    weights = integers(*batch, L, Ev)
     results = {}
     for fuse in (False, True):
         torch_xla.manual_seed(3)
@@ -181,14 +187,16 @@ def has_softmax(*tensors) -> bool:
     return "softmax" in torch_xla._XLAC._get_xla_tensors_text(list(tensors))
 
 
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES)
 @pytest.mark.parametrize("form", SOFTMAX_FORMS)
-def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form):
+def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form, shape):
     """The softmax joins the kernel: no softmax left in the lazy graph, values and gradients
     within float32 rounding of the unfused ones (the kernel's softmax rounds its own way)."""
+    (*batch, L, S), Ev = PRODUCT_SHAPES[shape]
     torch.manual_seed(0)
-    s = (torch.randn(2, 3, 16, 256) * 3).to(DEVICE).requires_grad_()
-    v = integers(2, 3, 256, 8).requires_grad_()
-    weights = integers(2, 3, 16, 8)
+    s = (torch.randn(*batch, L, S) * 3).to(DEVICE).requires_grad_()
+    v = integers(*batch, S, Ev).requires_grad_()
+    weights = integers(*batch, L, Ev)
     results = {}
     for fuse in (False, True):
         torch_xla.manual_seed(3)

@@ -11,7 +11,7 @@ from jax._src import config as jax_config
 
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import key_data
-from torch_pallas.kernels import attention, dropout, dropout_matmul
+from torch_pallas.kernels import attention, dropout, dropout_matmul, heads_in_lanes
 from torch_pallas.kernels.attention import AttentionBlocks as Blocks
 
 KEY = key_data(1234)
@@ -53,6 +53,7 @@ def _check(shape_w, Ev, *, p=0.25, dtype=jnp.float32, impl="threefry", blocks=No
 @pytest.mark.parametrize("shape_w, Ev, blocks, backward_blocks", [
     ((1, 40, 300), 16, Blocks(16, 128), Blocks(8, 256)),        # lengths not block multiples (padded), differing
     ((2, 197, 197), 64, None, None),                            # ViT's lengths; default blocks
+    ((2, 4, 16, 128), 32, None, None),                          # short planes: heads in lanes
 ])
 def test_threefry_matches_the_reference(shape_w, Ev, blocks, backward_blocks):
     _check(shape_w, Ev, blocks=blocks, backward_blocks=backward_blocks)
@@ -108,6 +109,7 @@ def _softmax_reference(scores, value, grad_out, keep, p):
 @pytest.mark.parametrize("impl, shape_w, Ev, blocks", [
     ("threefry", (1, 40, 300), 16, Blocks(16, 300)),       # several row blocks, L not a multiple of them
     ("hardware", (1, 40, 300), 16, None),                  # a block of all of L and S: the last tiles' bits cut
+    ("hardware", (1, 4, 24, 256), 64, None),               # short planes: heads in lanes, two a column
 ])
 def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request):
     if impl == "hardware":
@@ -181,3 +183,39 @@ def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatc
     for want, have in zip(jax.tree.leaves(transposed), jax.tree.leaves(run()), strict=True):
         # XLA's CPU dot may sum a transposed operand in another order (jax 0.10: last bits).
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["threefry", "tiled"])
+@pytest.mark.parametrize("softmax", [False, True])
+@pytest.mark.parametrize("shape_w, Ev", [((2, 4, 16, 128), 32), ((1, 12, 24, 256), 64)],
+                         ids=["4-heads-a-column", "2-heads-a-column"])
+def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(impl, softmax, shape_w, Ev):
+    """Short planes whose value a projection holds as ``(B, S, H * E)`` run on that layout, with
+    the mask, values and weights' gradient of the kernels over planes bit for bit (the value's
+    gradient to rounding: those sum over blocks of rows)."""
+    assert heads_in_lanes.takes_weights(shape_w, (*shape_w[:-2], shape_w[-1], Ev), jnp.float32, blocks=None)
+    weights, value, grad_out = _case(shape_w, Ev, jnp.float32, seed=4)
+    results = []
+    for blocks in (None, Blocks(8 if impl == "threefry" else shape_w[-2], shape_w[-1])):
+        options = dict(p=0.25, impl=impl, interpret=True, blocks=blocks, softmax=softmax)
+        results.append((dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights * 4, value, **options),
+                        *dropout_matmul.dropout_matmul_backward(jnp.asarray(KEY), weights * 4, value, grad_out,
+                                                                **options)))
+    (lanes_out, lanes_grad_w, lanes_grad_v), (out, grad_w, grad_v) = results
+    np.testing.assert_array_equal(np.asarray(lanes_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lanes_grad_w), np.asarray(grad_w))
+    np.testing.assert_allclose(np.asarray(lanes_grad_v), np.asarray(grad_v), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape_w, Ev, blocks", [
+    ((2, 4, 16, 128), 32, Blocks(16, 128)),   # blocks given
+    ((8, 16, 128), 32, None),                 # no head dim
+    ((2, 4, 16, 192), 32, None),              # S not whole lanes
+    ((2, 4, 12, 128), 32, None),              # L not whole sublanes
+    ((2, 4, 264, 256), 32, None),             # L past 256
+    ((2, 4, 16, 128), 48, None),              # a head dim that does not divide 128
+    ((2, 3, 16, 128), 32, None),              # heads that do not fill whole columns
+])
+def test_heads_in_lanes_take_short_planes_of_whole_columns_only(shape_w, Ev, blocks):
+    value_shape = (*shape_w[:-2], shape_w[-1], Ev)
+    assert not heads_in_lanes.takes_weights(shape_w, value_shape, jnp.float32, blocks=blocks)

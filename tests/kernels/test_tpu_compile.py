@@ -374,7 +374,7 @@ def _compiles_tiled_dropout(generation):
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
 # ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn) and BERT's 128 tokens with a padding
-# mask (several heads per lane column).
+# mask, and its eager attention's weights (several heads per lane column).
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
         functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,
@@ -392,6 +392,10 @@ TILED_CONFIGURATIONS = {
     "dropout_matmul": lambda generation: compiles(
         functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
         *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
+        generation=generation),
+    "dropout_matmul-heads-in-lanes": lambda generation: compiles(
+        functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
+        *(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((8, 12, 128, 128), (8, 12, 128, 64))),
         generation=generation),
 }
 

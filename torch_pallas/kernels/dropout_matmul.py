@@ -23,6 +23,11 @@ first, whole rows per block: ``dropout(softmax(scores)) @ value``, eager attenti
 calls in one. Then nothing of size ``L x S`` is materialised but the scores (which the
 backward kernel recomputes the weights from), where apart XLA keeps the softmax's
 exponentials for its own backward fusion beside the weights the kernel reads.
+
+Short planes of heads, ``(B, H, L, S)`` weights with a ``(B, H, S, E)`` value that
+:func:`heads_in_lanes.takes_weights` accepts (BERT's and GPT-2's 128 tokens), run on the value,
+the output and their gradients as a model's projections hold them, ``(B, S, H * E)``
+(:mod:`heads_in_lanes`): the same mask, values and weights' gradient.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels import arguments, attention, calls, prng, tiling
+from torch_pallas.kernels import arguments, attention, calls, heads_in_lanes, prng, tiling
 from torch_pallas.kernels.dropout import kept_values
 
 
@@ -74,10 +80,15 @@ def _row_blocks(L: int, S: int, impl: str) -> attention.AttentionBlocks:
     return attention.AttentionBlocks(min(rows, L), S)
 
 
-def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax):
+def _checked_probability(p, impl, interpret, weights, value) -> float:
     p = arguments.check_probability(p)
     prng.check_can_run(impl, interpret)
     check_shapes(weights.shape, value.shape)
+    return p
+
+
+def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax):
+    p = _checked_probability(p, impl, interpret, weights, value)
     *batch, L, S = weights.shape
     if softmax:
         if blocks is not None and blocks.kv < S:
@@ -123,6 +134,19 @@ def _dropped(static, keep, w):
     """The block of weights ``w`` dropped where ``keep`` is False, in their dtype, as
     :func:`dropout.dropout` writes them."""
     return kept_values(keep, w, prng.keep_probability(static.impl, static.dropout_p)).astype(w.dtype)
+
+
+def _weights_gradient(static, softmax, keep, w, grad_dropped):
+    """The block's weights' gradient (with ``softmax`` the scores'), float32, from the dropped
+    weights' ``grad_dropped`` (dropout's backward pass on it: the same mask), and the dropped
+    weights, which the value's gradient multiplies."""
+    grad_w = kept_values(keep, grad_dropped, prng.keep_probability(static.impl, static.dropout_p))
+    if softmax:
+        # The scores' gradient from the recomputed weights: softmax's backward over whole rows.
+        w = _softmax(w, w.dtype)
+        wide = w.astype(jnp.float32)
+        grad_w = wide * (grad_w - jnp.sum(grad_w * wide, axis=1, keepdims=True))
+    return grad_w, _dropped(static, keep, w)
 
 
 def _kernel(body, static, softmax, inputs: int):
@@ -178,6 +202,9 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
         wide_weights, wide_value = tiling.widen_float16(weights, value)
         return dropout_matmul_forward(key_data, wide_weights, wide_value, p=p, impl=impl, interpret=interpret,
                                       blocks=blocks, softmax=softmax).astype(weights.dtype)
+    if heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
+        return _forward_in_lanes(key_data, weights, value, p=_checked_probability(p, impl, interpret, weights, value),
+                                 impl=impl, interpret=interpret, softmax=softmax)
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False,
                                                        softmax)
     problem, blocks = static.problem, static.blocks
@@ -217,18 +244,9 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
 
     grad_out = grad_out_ref[...]
     keep = attention.kept_weights(static, key_ref, b, q_index, kv_index)
-    keep_probability = prng.keep_probability(static.impl, static.dropout_p)
-    # The gradient of the dropped weights, then dropout's backward pass on it: the same mask.
-    grad_dropped = attention.matmul(grad_out, v_ref[...], not static.value_transposed)
-    grad_w = kept_values(keep, grad_dropped, keep_probability)
-    w = w_ref[...]
-    if softmax:
-        # The scores' gradient from the recomputed weights: softmax's backward over whole rows.
-        w = _softmax(w, w.dtype)
-        wide = w.astype(jnp.float32)
-        grad_w = wide * (grad_w - jnp.sum(grad_w * wide, axis=1, keepdims=True))
+    grad_w, dropped = _weights_gradient(static, softmax, keep, w_ref[...],
+                                        attention.matmul(grad_out, v_ref[...], not static.value_transposed))
     grad_w_ref[...] = grad_w.astype(grad_w_ref.dtype)
-    dropped = _dropped(static, keep, w)
     grad_v_acc[...] += jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32)
 
     @pl.when(q_index == pl.num_programs(2) - 1)
@@ -250,6 +268,10 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
         grads = dropout_matmul_backward(key_data, *tiling.widen_float16(weights, value, grad_out), p=p, impl=impl,
                                         interpret=interpret, blocks=blocks, softmax=softmax)
         return tuple(grad.astype(weights.dtype) for grad in grads)
+    if heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
+        return _backward_in_lanes(key_data, weights, value, grad_out.astype(weights.dtype),
+                                  p=_checked_probability(p, impl, interpret, weights, value), impl=impl,
+                                  interpret=interpret, softmax=softmax)
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, True,
                                                        softmax)
     problem, blocks = static.problem, static.blocks
@@ -286,3 +308,94 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
     grad_w = grad_w[:, :problem.L, :problem.S].reshape(weights.shape)
     grad_v = grad_v[:, :problem.S].reshape(value.shape)
     return grad_w, grad_v
+
+
+# Eager attention's weights over short planes, ``(B, H, L, S)``, with a value that a model's
+# projection holds as ``(B, S, H * E)``: the kernels read the value, the output and its gradient
+# in that layout (:mod:`heads_in_lanes`), which XLA would otherwise copy into planes and back.
+
+
+def _lanes_plan(weights, value, p, impl, interpret) -> heads_in_lanes.Plan:
+    B, H, L, S = weights.shape
+    return heads_in_lanes.Plan((B, H, L, value.shape[-1]), value.shape, dropout_p=p, impl=impl, interpret=interpret,
+                               weights_dtype=weights.dtype)
+
+
+def _lanes_cost(plan, softmax, bytes_accessed, matmuls):
+    weights = plan.B * plan.H * plan.L * plan.S
+    return calls.cost_estimate(bytes_accessed=bytes_accessed,
+                               flops=weights * (2 * tiling.LANES * matmuls
+                                                + matmuls * (_MASK_FLOPS + (_SOFTMAX_FLOPS if softmax else 0))),
+                               transcendentals=weights * matmuls if softmax else 0)
+
+
+def _forward_in_lanes_kernel(key_ref, w_ref, v_ref, out_ref, *, plan, softmax):
+    masks = plan.lane_masks(plan.L)
+    per_head = []
+    for column, within, local, head in plan.heads():
+        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+        w = w_ref[local]
+        dropped = _dropped(plan.static, plan.kept(key_ref, head), _softmax(w, w.dtype) if softmax else w)
+        v = v_ref[:, lanes]
+        # The whole column times the head's weights: its own lanes are kept.
+        per_head.append(jnp.dot(dropped.astype(v.dtype), v, preferred_element_type=jnp.float32))
+        if within == plan.heads_per_column - 1:
+            out_ref[:, lanes] = heads_in_lanes.select_lanes(masks, per_head).astype(out_ref.dtype)
+            per_head = []
+
+
+def _forward_in_lanes(key_data, weights, value, *, p, impl, interpret, softmax):
+    plan = _lanes_plan(weights, value, p, impl, interpret)
+    v = heads_in_lanes.heads_in_lanes(value)
+    words = attention.noise_words(key_data, impl, None)
+    out_shape = jax.ShapeDtypeStruct((plan.B, plan.L, v.shape[-1]), weights.dtype)
+    out = calls.pallas_call(
+        functools.partial(_forward_in_lanes_kernel, plan=plan, softmax=softmax),
+        name=plan.kernel_name("fwd", "softmax_dropout_matmul" if softmax else "dropout_matmul"),
+        cost_estimate=_lanes_cost(plan, softmax, calls.nbytes(words, weights, v, out_shape), matmuls=1),
+        grid=plan.grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.weights_spec(), plan.spec(plan.S)],
+        out_specs=plan.spec(plan.L),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(words, weights, v)
+    return heads_in_lanes.heads_apart(out, plan.H)
+
+
+def _backward_in_lanes_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, *, plan, softmax):
+    row_masks, key_masks = plan.lane_masks(plan.L), plan.lane_masks(plan.S)
+    per_head = []
+    for column, within, local, head in plan.heads():
+        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+        grad_out = grad_out_ref[:, lanes]
+        keep = plan.kept(key_ref, head)
+        # The head's lanes of the gradient against the whole column of values: its own products.
+        mine = jnp.where(row_masks[within], grad_out, jnp.zeros((), grad_out.dtype))
+        grad_dropped = lax.dot_general(mine, v_ref[:, lanes], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        grad_w, dropped = _weights_gradient(plan.static, softmax, keep, w_ref[local], grad_dropped)
+        grad_w_ref[local] = grad_w.astype(grad_w_ref.dtype)
+        per_head.append(jnp.dot(dropped.T.astype(grad_out.dtype), grad_out, preferred_element_type=jnp.float32))
+        if within == plan.heads_per_column - 1:
+            grad_v_ref[:, lanes] = heads_in_lanes.select_lanes(key_masks, per_head).astype(grad_v_ref.dtype)
+            per_head = []
+
+
+def _backward_in_lanes(key_data, weights, value, grad_out, *, p, impl, interpret, softmax):
+    plan = _lanes_plan(weights, value, p, impl, interpret)
+    v, g = heads_in_lanes.heads_in_lanes(value), heads_in_lanes.heads_in_lanes(grad_out)
+    words = attention.noise_words(key_data, impl, None)
+    out_shape = [jax.ShapeDtypeStruct(weights.shape, weights.dtype), jax.ShapeDtypeStruct(v.shape, value.dtype)]
+    grad_w, grad_v = calls.pallas_call(
+        functools.partial(_backward_in_lanes_kernel, plan=plan, softmax=softmax),
+        name=plan.kernel_name("bwd", "softmax_dropout_matmul" if softmax else "dropout_matmul"),
+        cost_estimate=_lanes_cost(plan, softmax, calls.nbytes(words, weights, v, g, *out_shape), matmuls=2),
+        grid=plan.grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.weights_spec(), plan.spec(plan.S), plan.spec(plan.L)],
+        out_specs=[plan.weights_spec(), plan.spec(plan.S)],
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(words, weights, v, g)
+    return grad_w, heads_in_lanes.heads_apart(grad_v, plan.H)

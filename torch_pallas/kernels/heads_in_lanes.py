@@ -13,6 +13,9 @@ whole column with the other heads' lanes zeroed (the matrix unit's depth is 128 
 way), and its results are selected back into its lanes. Scores, mask and softmax are the
 flash kernels' whole-rows ones (the same mask bits, plane ``b * H + h``, for every impl), so a
 call gives what the flash kernels give, to rounding.
+
+:mod:`dropout_matmul` runs eager attention's weights times their value on this layout too
+(:func:`takes_weights`, :class:`Plan` with ``weights_dtype``).
 """
 
 from __future__ import annotations
@@ -50,9 +53,25 @@ def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, globa
     S, Ev = key_shape[2], value_shape[3]
     if bias is not None and _bias_shape(bias.shape, B, L, S) is None:
         return False
-    return (E == Ev and tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
-            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH and (not causal or L == S)
-            and _columns_per_step(max(L, S), H * E // tiling.LANES, tiling.LANES // E) is not None)
+    return E == Ev and (not causal or L == S) and _fits(H, L, S, E, weights_dtype=None)
+
+
+def takes_weights(weights_shape, value_shape, dtype, *, blocks) -> bool:
+    """Whether :func:`torch_pallas.kernels.dropout_matmul.dropout_matmul_forward` (and its
+    backward) of ``(B, H, L, S)`` weights of ``dtype`` and a ``(B, H, S, E)`` value runs as this
+    module's kernels: the default blocks, and the lengths and head dim :func:`takes` accepts."""
+    if blocks is not None or len(weights_shape) != 4 or len(value_shape) != 4:
+        return False
+    B, H, L, S = weights_shape
+    return tuple(value_shape[:3]) == (B, H, S) and _fits(H, L, S, value_shape[3], weights_dtype=dtype)
+
+
+def _fits(H: int, L: int, S: int, E: int, *, weights_dtype) -> bool:
+    """A head dim dividing 128 lanes and whole columns of heads, ``L`` whole sublanes and ``S``
+    whole lanes, both at most :data:`MAX_LENGTH`, and a grid step's blocks that fit VMEM."""
+    return (tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
+            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH
+            and _columns_per_step(L, S, H * E // tiling.LANES, tiling.LANES // E, weights_dtype) is not None)
 
 
 def _bias_shape(shape, B: int, L: int, S: int):
@@ -78,20 +97,29 @@ def heads_apart(array, heads: int):
     return jnp.swapaxes(array.reshape(B, L, heads, width // heads), 1, 2)
 
 
-def _columns_per_step(rows: int, columns: int, heads_per_column: int) -> int | None:
-    """The most columns per grid step whose float32 block fits :data:`_MAX_BLOCK_BYTES`, dividing
-    the columns, with whole 8-row blocks of the row statistics' heads (or every head); None if none."""
-    fits = [g for g in range(1, columns + 1)
-            if columns % g == 0 and (g == columns or g * heads_per_column % tiling.SUBLANES == 0)
-            and rows * g * tiling.LANES * 4 <= _MAX_BLOCK_BYTES]
-    return max(fits, default=None)
+def _columns_per_step(L: int, S: int, columns: int, heads_per_column: int, weights_dtype) -> int | None:
+    """The most columns per grid step, dividing the columns, whose float32 block fits
+    :data:`_MAX_BLOCK_BYTES`; for attention (no ``weights_dtype``) with whole 8-row blocks of the
+    row statistics' heads (or every head), for weights given their heads' ``(L, S)`` planes within
+    twice that; None if none."""
+    def fits(g):
+        if weights_dtype is None:
+            heads_fit = g == columns or g * heads_per_column % tiling.SUBLANES == 0
+        else:
+            heads_fit = g * heads_per_column * L * S * jnp.dtype(weights_dtype).itemsize <= 2 * _MAX_BLOCK_BYTES
+        return columns % g == 0 and heads_fit and max(L, S) * g * tiling.LANES * 4 <= _MAX_BLOCK_BYTES
+
+    return max(filter(fits, range(1, columns + 1)), default=None)
 
 
-class _Plan:
+class Plan:
     """One call's shapes: heads, lengths, the mask's, columns per grid step, and the flash kernels'
-    static configuration for whole planes (:func:`attention.kept_weights` draws the mask from it)."""
+    static configuration for whole planes (:func:`attention.kept_weights` draws the mask from it).
+    With ``weights_dtype`` the call is a product of given ``(B, H, L, S)`` weights of that dtype
+    (``query_shape`` then the output's, ``key_shape`` the value's), which a step reads whole."""
 
-    def __init__(self, query_shape, key_shape, bias, *, dropout_p, impl, causal, scale, interpret):
+    def __init__(self, query_shape, key_shape, bias=None, *, dropout_p, impl, causal=False, scale=1.0, interpret,
+                 weights_dtype=None):
         self.B, self.H, self.L, self.E = query_shape
         self.S = key_shape[2]
         self.bias_shape = None if bias is None else _bias_shape(bias.shape, self.B, self.L, self.S)
@@ -101,7 +129,7 @@ class _Plan:
                                                interpret=interpret, backward=False, global_shape=None)
         self.heads_per_column = tiling.LANES // self.E
         columns = self.H * self.E // tiling.LANES
-        self.columns_per_step = _columns_per_step(max(self.L, self.S), columns, self.heads_per_column)
+        self.columns_per_step = _columns_per_step(self.L, self.S, columns, self.heads_per_column, weights_dtype)
         self.grid = (self.B, columns // self.columns_per_step)
         self.heads_per_step = self.columns_per_step * self.heads_per_column
 
@@ -119,9 +147,13 @@ class _Plan:
     def row_stat_spec(self):
         return pl.BlockSpec((None, self.heads_per_step, self.L), lambda b, g: (b, g, 0))
 
-    def kernel_name(self, phase):
+    def weights_spec(self):
+        """The step's heads' whole ``(L, S)`` planes of ``(B, H, L, S)`` weights."""
+        return pl.BlockSpec((None, self.heads_per_step, self.L, self.S), lambda b, g: (b, g, 0, 0))
+
+    def kernel_name(self, phase, kernel="attention"):
         static = self.static
-        return calls.kernel_name("attention", phase, static.impl if static.dropout_p else "",
+        return calls.kernel_name(kernel, phase, static.impl if static.dropout_p else "",
                                  "causal" if static.causal else "", "lanes", blocks=(self.L, self.S))
 
     def cost(self, bytes_accessed, matmuls):
@@ -159,7 +191,7 @@ class _Plan:
         return attention.kept_weights(self.static, key_ref, plane, 0, 0)
 
 
-def _select_lanes(masks, per_head):
+def select_lanes(masks, per_head):
     """One column from each head's full-width result: head ``j``'s lanes from ``per_head[j]``."""
     column = per_head[-1]
     for mask, result in zip(masks[:-1], per_head[:-1]):
@@ -167,7 +199,7 @@ def _select_lanes(masks, per_head):
     return column
 
 
-def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
     bias_ref, out_ref, lse_ref = refs if plan.bias_shape else (None, *refs)
     masks = plan.lane_masks(plan.L)
     per_head = []
@@ -180,13 +212,13 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         per_head.append(jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) * inverse)
         lse_ref[local:local + 1, :] = attention.row_stat_row(lse)
         if within == plan.heads_per_column - 1:
-            out_ref[:, lanes] = _select_lanes(masks, per_head).astype(out_ref.dtype)
+            out_ref[:, lanes] = select_lanes(masks, per_head).astype(out_ref.dtype)
             per_head = []
 
 
 def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, scale, interpret):
     """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
-    plan = _Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
     q, k, v = heads_in_lanes(query), heads_in_lanes(key), heads_in_lanes(value)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
@@ -208,7 +240,7 @@ def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, 
     return heads_apart(out, plan.H), lse
 
 
-def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
     bias_ref, refs = (refs[0], refs[1:]) if plan.bias_shape else (None, refs)
     out_ref, grad_out_ref, lse_ref, grad_q_ref, grad_k_ref, grad_v_ref = refs
     static = plan.static
@@ -247,7 +279,7 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         if within == plan.heads_per_column - 1:
             for name, ref, masks in (("q", grad_q_ref, query_masks), ("k", grad_k_ref, key_masks),
                                      ("v", grad_v_ref, key_masks)):
-                ref[:, lanes] = _select_lanes(masks, per_head[name]).astype(ref.dtype)
+                ref[:, lanes] = select_lanes(masks, per_head[name]).astype(ref.dtype)
                 per_head[name] = []
 
 
@@ -255,7 +287,7 @@ def backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, drop
              interpret):
     """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`
     (a mask gets none)."""
-    plan = _Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
+    plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                  interpret=interpret)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     q, k, v, o, g = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value, out, grad_out))
