@@ -72,7 +72,9 @@ def test_traced_attention_dropout_and_its_product_are_one_kernel_with_the_unfuse
 
 
 @pytest.mark.usefixtures("in_env")
-def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused():
+@pytest.mark.parametrize("scores_shape, Ev", [((2, 16, 256), 8), ((2, 4, 16, 128), 32)],
+                         ids=["planes", "heads-in-lanes"])
+def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused(scores_shape, Ev):
     def attention_weights_product(fuse_matmul):
         def product(scores, value, key):
             with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
@@ -81,8 +83,8 @@ def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused():
         return jax.jit(product)
 
     rng = np.random.default_rng(2)
-    scores = jax_view(jax_tensor(rng.standard_normal((2, 16, 256)).astype(np.float32)))
-    value = jax_view(jax_tensor(rng.standard_normal((2, 256, 8)).astype(np.float32)))
+    scores = jax_view(jax_tensor(rng.standard_normal(scores_shape).astype(np.float32)))
+    value = jax_view(jax_tensor(rng.standard_normal((*scores_shape[:-2], scores_shape[-1], Ev)).astype(np.float32)))
     key = jax_view(torch_pallas.seeds.key_data(seed=5))
     fused, unfused = attention_weights_product(True), attention_weights_product(False)
     for f, u in zip(jax.grad(lambda s, v: (fused(s, v, key) ** 2).sum(), argnums=(0, 1))(scores, value),
