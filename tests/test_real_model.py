@@ -12,7 +12,7 @@ import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from torch_pallas import residual_fusion
-from torch_pallas.kernels import heads_in_lanes
+from torch_pallas.kernels import dropout_matmul, heads_in_lanes
 from kernel_calls import record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
@@ -179,18 +179,27 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
     assert fused[0] == residual_dropouts, fused  # the forward graph's; the backward fuses gradient sums too
 
 
-def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch):
+# Per attention: the module and functions of its kernels on the models' layout, and the routing.
+HEADS_IN_LANES = {"sdpa": (heads_in_lanes, ("forward", "backward"), {}),
+                  "eager": (dropout_matmul, ("_forward_in_lanes", "_backward_in_lanes"), {"fuse_matmul": True})}
+
+
+@pytest.mark.parametrize("attention", HEADS_IN_LANES)
+def test_bert_over_128_tokens_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch, attention):
     """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, a padding
-    mask, the same for every head) runs kernels.heads_in_lanes forward and backward, and learns."""
+    mask, the same for every head) runs kernels.heads_in_lanes forward and backward, and learns;
+    so does its eager attention's fused softmax, dropout and product with the values."""
+    module, phases, fusion = HEADS_IN_LANES[attention]
     ran = []
-    for phase in ("forward", "backward"):
-        kernel = getattr(heads_in_lanes, phase)
-        monkeypatch.setattr(heads_in_lanes, phase,
+    for phase in phases:
+        kernel = getattr(module, phase)
+        monkeypatch.setattr(module, phase,
                             lambda *args, _kernel=kernel, _phase=phase, **options: ran.append(_phase)
                             or _kernel(*args, **options))
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=128, max_position_embeddings=128)
+                                     intermediate_size=128, max_position_embeddings=128,
+                                     attn_implementation=attention)
     model = transformers.BertForMaskedLM(config).to(torch_xla.device()).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, 128, (2, 128)).to(torch_xla.device())
@@ -199,7 +208,7 @@ def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and
     padding = padding.to(torch_xla.device())
     losses = []
     for _ in range(4):
-        with torch_pallas.route_dropout(impl="tiled"):
+        with torch_pallas.route_dropout(impl="tiled", **fusion):
             logits = model(input_ids=ids, attention_mask=padding).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids.reshape(-1))
         loss.backward()
@@ -207,5 +216,5 @@ def test_bert_over_128_tokens_on_sdpa_runs_its_attention_with_heads_in_lanes_and
         optimizer.zero_grad()
         torch_xla.sync()
         losses.append(loss.item())
-    assert ran == ["forward", "backward"], ran  # traced once, then cached
+    assert ran == list(phases), ran  # traced once, then cached
     assert losses[-1] < losses[0] - 0.3, losses
