@@ -249,8 +249,10 @@ def test_products_it_cannot_fuse_are_left_to_torch():
     assert eager_cpu.shape == (2, 3, 16, 8)
 
 
-def test_fused_matmul_under_torch_func_grad_and_checkpointing():
-    w, v = integers(2, 16, 256), integers(2, 256, 8)
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES)
+def test_fused_matmul_under_torch_func_grad_and_checkpointing(shape):
+    (*batch, L, S), Ev = PRODUCT_SHAPES[shape]
+    w, v = integers(*batch, L, S), integers(*batch, S, Ev)
     results = []
     for fuse in (False, True):
         torch_xla.manual_seed(6)
