@@ -322,11 +322,14 @@ def _lanes_plan(weights, value, p, impl, interpret) -> heads_in_lanes.Plan:
 
 
 def _lanes_cost(plan, softmax, bytes_accessed, matmuls):
+    """The cost of ``matmuls`` products over whole 128-lane columns per weight (forward 1,
+    backward 2), the mask's and the softmax's work as many times, and one exponential per weight
+    with the softmax (the backward recomputes it)."""
     weights = plan.B * plan.H * plan.L * plan.S
     return calls.cost_estimate(bytes_accessed=bytes_accessed,
-                               flops=weights * (2 * tiling.LANES * matmuls
-                                                + matmuls * (_MASK_FLOPS + (_SOFTMAX_FLOPS if softmax else 0))),
-                               transcendentals=weights * matmuls if softmax else 0)
+                               flops=weights * matmuls * (2 * tiling.LANES + _MASK_FLOPS
+                                                          + (_SOFTMAX_FLOPS if softmax else 0)),
+                               transcendentals=weights if softmax else 0)
 
 
 def _forward_in_lanes_kernel(key_ref, w_ref, v_ref, out_ref, *, plan, softmax):

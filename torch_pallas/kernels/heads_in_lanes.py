@@ -219,7 +219,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
 def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, scale, interpret):
     """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
     plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
-                 interpret=interpret)
+                interpret=interpret)
     q, k, v = heads_in_lanes(query), heads_in_lanes(key), heads_in_lanes(value)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     words = attention.noise_words(key_data, impl, None)
@@ -288,7 +288,7 @@ def backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, drop
     """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`
     (a mask gets none)."""
     plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
-                 interpret=interpret)
+                interpret=interpret)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     q, k, v, o, g = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value, out, grad_out))
     words = attention.noise_words(key_data, impl, None)
