@@ -13,8 +13,9 @@ after the other, so the step's fixed cost is shared. Where one block holds every
 value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
 (:func:`lanes_transposed`: head dims under 128 lanes). Planes of at most 256 x 256 with at most a
 mask shared by the heads (BERT's and GPT-2's 128 tokens) run :mod:`heads_in_lanes`'s kernels
-instead, on the operands laid out as the model's projections hold them. The dropout mask is regenerated in every
-kernel from the 8-byte key, per element of the ``(*batch, L, S)`` probabilities:
+instead, on the operands laid out as the model's projections hold them. The dropout mask is
+regenerated in every kernel from the 8-byte key, per element of the ``(*batch, L, S)``
+probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
   probability when ``jax.random.bernoulli(key, 1 - dropout_p, (*batch, L, S))`` is True
@@ -617,8 +618,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
         # The row statistics stay (q, ROW_STAT_LANES) with every lane the row's value (see _lanes).
         previous_max = max_ref[...]
         new_max = jnp.maximum(previous_max, jnp.max(s, axis=1, keepdims=True))
-        # A row with no score above -inf yet subtracts 0, so its exponentials are 0, not NaN.
-        shift = jnp.where(new_max == -jnp.inf, np.float32(0.0), new_max)
+        shift = _shift(new_max)
         p = jnp.exp(s - _lanes(shift, static.blocks.kv))
         correction = jnp.exp(previous_max - shift)
         sum_ref[...] = correction * sum_ref[...] + jnp.sum(p, axis=1, keepdims=True)
@@ -631,14 +631,25 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, static: _Static, has_bi
 
     @pl.when(kv_index == pl.num_programs(2) - 1)
     def _():
-        total = sum_ref[...]
-        empty = total == 0.0
-        # torch's safe softmax: a row with every score -inf attends to nothing.
-        safe_total = jnp.where(empty, np.float32(1.0), total)
-        # The kept weights' 1 / (1 - p) joins the normaliser: once per row, not per weight.
-        inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
+        inverse, lse = _normaliser(static, sum_ref[...], max_ref[...])
         out_ref[...] = (acc_ref[...] * _lanes(inverse, static.problem.Ev)).astype(out_ref.dtype)
-        lse_ref[...] = row_stat_row(jnp.where(empty, jnp.inf, max_ref[...] + jnp.log(safe_total)))
+        lse_ref[...] = row_stat_row(lse)
+
+
+def _shift(row_max):
+    """What a row's exponentials subtract: its maximum, or 0 for a row with no score above -inf,
+    so that its exponentials are 0, not NaN."""
+    return jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
+
+
+def _normaliser(static: _Static, total, row_max):
+    """Each row's factor, the kept weights' ``1 / (1 - p)`` over its sum of exponentials ``total``
+    (once per row, not per weight), and its log-sum-exp given its maximum: torch's safe softmax,
+    a row with every score -inf attends to nothing (factor over 1, log-sum-exp ``inf``)."""
+    empty = total == 0.0
+    safe_total = jnp.where(empty, np.float32(1.0), total)
+    inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
+    return inverse, jnp.where(empty, jnp.inf, row_max + jnp.log(safe_total))
 
 
 def _whole_rows_forward(key_ref, q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, static: _Static, b, q_index):
@@ -658,17 +669,12 @@ def whole_rows_softmax(static: _Static, s, kept):
     factor, the kept weights' ``1 / (1 - p)`` over the row's sum (torch's safe softmax: a row with
     nothing to attend to gives zeros); and the row's log-sum-exp, ``inf`` for such a row. Columns
     ``(rows, 1)``."""
-    row_max = jnp.max(s, axis=1, keepdims=True)
-    # A row with no score above -inf subtracts 0, so its exponentials are 0, not NaN.
-    shift = jnp.where(row_max == -jnp.inf, np.float32(0.0), row_max)
+    shift = _shift(jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - shift)
     total = jnp.sum(p, axis=1, keepdims=True)
     if static.dropout_p:
         p = jnp.where(kept(), p, np.float32(0.0))
-    empty = total == 0.0
-    safe_total = jnp.where(empty, np.float32(1.0), total)
-    inverse = (kept_scale(static.impl, static.dropout_p) if static.dropout_p else np.float32(1.0)) / safe_total
-    return p, inverse, jnp.where(empty, jnp.inf, shift + jnp.log(safe_total))
+    return (p, *_normaliser(static, total, shift))
 
 
 def row_stat_row(row_stat):
