@@ -335,8 +335,7 @@ def _lanes_cost(plan, softmax, bytes_accessed, matmuls):
 def _forward_in_lanes_kernel(key_ref, w_ref, v_ref, out_ref, *, plan, softmax):
     masks = plan.lane_masks(plan.L)
     per_head = []
-    for column, within, local, head in plan.heads():
-        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+    for lanes, within, local, head in plan.heads():
         w = w_ref[local]
         dropped = _dropped(plan.static, plan.kept(key_ref, head), _softmax(w, w.dtype) if softmax else w)
         v = v_ref[:, lanes]
@@ -360,7 +359,7 @@ def _forward_in_lanes(key_data, weights, value, *, p, impl, interpret, softmax):
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.weights_spec(), plan.spec(plan.S)],
         out_specs=plan.spec(plan.L),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=plan.compiler_params(),
         interpret=interpret,
     )(words, weights, v)
     return heads_in_lanes.heads_apart(out, plan.H)
@@ -369,8 +368,7 @@ def _forward_in_lanes(key_data, weights, value, *, p, impl, interpret, softmax):
 def _backward_in_lanes_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref, *, plan, softmax):
     row_masks, key_masks = plan.lane_masks(plan.L), plan.lane_masks(plan.S)
     per_head = []
-    for column, within, local, head in plan.heads():
-        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+    for lanes, within, local, head in plan.heads():
         grad_out = grad_out_ref[:, lanes]
         keep = plan.kept(key_ref, head)
         # The head's lanes of the gradient against the whole column of values: its own products.
@@ -398,7 +396,7 @@ def _backward_in_lanes(key_data, weights, value, grad_out, *, p, impl, interpret
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), plan.weights_spec(), plan.spec(plan.S), plan.spec(plan.L)],
         out_specs=[plan.weights_spec(), plan.spec(plan.S)],
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=plan.compiler_params(),
         interpret=interpret,
     )(words, weights, v, g)
     return grad_w, heads_in_lanes.heads_apart(grad_v, plan.H)

@@ -162,12 +162,17 @@ class Plan:
                                    flops=scores * 2 * tiling.LANES * matmuls, transcendentals=scores)
 
     def heads(self):
-        """Each head of the step: (its column in the step's block, its place in the column, its
-        place in the step, its index in the batch element, a traced int)."""
+        """Each head of the step: (its column's lanes in the step's block, a slice; its place in
+        the column; its place in the step; its index in the batch element, a traced int)."""
         for column in range(self.columns_per_step):
+            lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
             for within in range(self.heads_per_column):
                 local = column * self.heads_per_column + within
-                yield column, within, local, pl.program_id(1) * self.heads_per_step + local
+                yield lanes, within, local, pl.program_id(1) * self.heads_per_step + local
+
+    def compiler_params(self):
+        """Every grid step is independent: batch elements and groups of columns."""
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
 
     def lane_masks(self, rows):
         lane = lax.broadcasted_iota(jnp.int32, (rows, tiling.LANES), 1) // self.E
@@ -203,8 +208,7 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
     bias_ref, out_ref, lse_ref = refs if plan.bias_shape else (None, *refs)
     masks = plan.lane_masks(plan.L)
     per_head = []
-    for column, within, local, head in plan.heads():
-        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+    for lanes, within, local, head in plan.heads():
         q_head = jnp.where(masks[within], q_ref[:, lanes], jnp.zeros((), q_ref.dtype))
         s = plan.scores(q_head, k_ref[:, lanes], bias_ref)
         p, inverse, lse = attention.whole_rows_softmax(plan.static, s, lambda: plan.kept(key_ref, head))
@@ -234,7 +238,7 @@ def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, 
                   *([plan.bias_spec()] if masks else [])],
         out_specs=[plan.spec(plan.L), plan.row_stat_spec()],
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=plan.compiler_params(),
         interpret=interpret,
     )(words, q, k, v, *masks)
     return heads_apart(out, plan.H), lse
@@ -247,8 +251,7 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
     query_masks, key_masks = plan.lane_masks(plan.L), plan.lane_masks(plan.S)
     scale = np.float32(static.scale)
     per_head = {"q": [], "k": [], "v": []}
-    for column, within, local, head in plan.heads():
-        lanes = slice(column * tiling.LANES, (column + 1) * tiling.LANES)
+    for lanes, within, local, head in plan.heads():
         q, k, v = q_ref[:, lanes], k_ref[:, lanes], v_ref[:, lanes]
         grad_out = grad_out_ref[:, lanes]
         mine = query_masks[within]
@@ -303,7 +306,7 @@ def backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, drop
                   *([plan.bias_spec()] if masks else []), plan.spec(plan.L), plan.spec(plan.L), plan.row_stat_spec()],
         out_specs=[plan.spec(plan.L), plan.spec(plan.S), plan.spec(plan.S)],
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=plan.compiler_params(),
         interpret=interpret,
     )(words, q, k, v, *masks, o, g, lse)
     return heads_apart(grad_q, plan.H), heads_apart(grad_k, plan.H), heads_apart(grad_v, plan.H)
