@@ -243,21 +243,23 @@ def test_short_planes_share_a_grid_step():
 
 
 def test_heads_share_lanes_for_short_planes_only():
-    """A transformers model's 128-token attention (default blocks; a padding or causal mask, the
-    same for every head, without its gradient) runs on the operands as its projections hold them;
-    anything else runs the flash kernels."""
+    """A transformers model's attention over at most 256 tokens (BERT's 128, ViT's 197; default
+    blocks; a padding or causal mask, the same for every head, without its gradient) runs on the
+    operands as its projections hold them; anything else runs the flash kernels."""
     bert = (8, 12, 128, 64)
     options = dict(bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
     assert heads_in_lanes.takes(bert, bert, bert, **options)
     assert heads_in_lanes.takes(bert, bert, bert, **dict(options, causal=True))
     assert heads_in_lanes.takes((2, 8, 24, 32), (2, 8, 256, 32), (2, 8, 256, 32), **options)
+    assert heads_in_lanes.takes(*((32, 12, 197, 64),) * 3, **options)
+    assert heads_in_lanes.takes((2, 4, 5, 64), (2, 4, 37, 64), (2, 4, 37, 64), **options)
     for mask in (jnp.zeros((8, 1, 1, 128), bool), jnp.zeros((128, 128)), jnp.zeros((1, 1, 128, 128))):
         assert heads_in_lanes.takes(bert, bert, bert, **dict(options, bias=mask))
     for changed in (dict(bias=jnp.zeros((8, 12, 128, 128))), dict(bias=jnp.zeros((8, 1, 128, 1))),
                     dict(bias=jnp.zeros((128, 128)), bias_grad=True), dict(gqa=True), dict(blocks=Blocks(128, 128)),
                     dict(global_shape=(16, 12, 1, 1))):
         assert not heads_in_lanes.takes(bert, bert, bert, **dict(options, **changed))
-    for query, key, value in [((32, 12, 197, 64),) * 3, ((8, 12, 512, 64),) * 3, ((8, 12, 128, 96),) * 3,
+    for query, key, value in [((8, 12, 257, 64),) * 3, ((8, 12, 512, 64),) * 3, ((8, 12, 128, 96),) * 3,
                               ((8, 3, 128, 64),) * 3, ((8, 12, 128, 64), (8, 12, 128, 64), (8, 12, 128, 32)),
                               ((8, 12, 128, 64), (1, 12, 128, 64), (1, 12, 128, 64)), ((12, 128, 64),) * 3]:
         assert not heads_in_lanes.takes(query, key, value, **options)
@@ -265,16 +267,18 @@ def test_heads_share_lanes_for_short_planes_only():
 
 
 @pytest.mark.parametrize("impl", ["threefry", "tiled", "hardware"])
-def test_heads_in_lanes_give_the_flash_kernels_values_and_gradients(impl, emulated_hardware_prng):
-    """The same mask (plane ``b * H + h``, the whole plane's tiles) and, to rounding, the same
-    values and gradients as the flash kernels on the heads' planes."""
-    shape = (2, 4, 64, 64), (2, 4, 128, 64)
+@pytest.mark.parametrize("shape", [((2, 4, 64, 64), (2, 4, 128, 64)), ((1, 4, 197, 64), (1, 4, 197, 64))],
+                         ids=["whole-tiles", "vit-197"])
+def test_heads_in_lanes_give_the_flash_kernels_values_and_gradients(impl, shape, emulated_hardware_prng):
+    """The same mask (plane ``b * H + h``, the whole plane's tiles, cut where the lengths are not
+    whole tiles) and, to rounding, the same values and gradients as the flash kernels on the
+    heads' planes."""
     rng = np.random.default_rng(4)
     query, key, value = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (shape[0], shape[1], shape[1]))
     grad_out = jnp.asarray(rng.standard_normal(shape[0]), jnp.float32)
     assert heads_in_lanes.takes(*shape, shape[1], bias=None, gqa=False, blocks=None, global_shape=None, causal=False)
     results = []
-    for blocks in (None, Blocks(64, 128)):
+    for blocks in (None, Blocks(shape[0][2], shape[1][2])):
         function = functools.partial(attention.attention, jnp.asarray(KEY), bias=None, dropout_p=0.3, impl=impl,
                                      interpret=True, blocks=blocks, backward_blocks=blocks)
         out, pullback = jax.vjp(function, query, key, value)

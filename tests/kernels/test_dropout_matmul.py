@@ -187,8 +187,8 @@ def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatc
 
 @pytest.mark.parametrize("impl", ["threefry", "tiled"])
 @pytest.mark.parametrize("softmax", [False, True])
-@pytest.mark.parametrize("shape_w, Ev", [((2, 4, 16, 128), 32), ((1, 12, 24, 256), 64)],
-                         ids=["4-heads-a-column", "2-heads-a-column"])
+@pytest.mark.parametrize("shape_w, Ev", [((2, 4, 16, 128), 32), ((1, 12, 24, 256), 64), ((1, 4, 197, 197), 64)],
+                         ids=["4-heads-a-column", "2-heads-a-column", "vit-197"])
 def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(impl, softmax, shape_w, Ev):
     """Short planes whose value a projection holds as ``(B, S, H * E)`` run on that layout, with
     the mask of the kernels over planes and their values and gradients to float32 rounding (the
@@ -209,9 +209,8 @@ def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(impl, softm
 @pytest.mark.parametrize("shape_w, Ev, blocks", [
     ((2, 4, 16, 128), 32, Blocks(16, 128)),   # blocks given
     ((8, 16, 128), 32, None),                 # no head dim
-    ((2, 4, 16, 192), 32, None),              # S not whole lanes
-    ((2, 4, 12, 128), 32, None),              # L not whole sublanes
     ((2, 4, 264, 256), 32, None),             # L past 256
+    ((2, 4, 16, 257), 32, None),              # S past 256
     ((2, 4, 16, 128), 48, None),              # a head dim that does not divide 128
     ((2, 3, 16, 128), 32, None),              # heads that do not fill whole columns
 ])

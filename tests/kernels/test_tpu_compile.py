@@ -256,11 +256,13 @@ def attention_forward_and_backward(key_data, query, key, value, *bias, **options
     return out, pullback(out)
 
 
-# (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (every block all of L, the 8
-# planes in one grid step: the backward's row statistics are (8, 1, 197) blocks), and 2048 tokens
-# with the default blocks at their largest.
-ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "197": ((2, 4, 197, 64),) * 2,
-                    "2048-head-128": ((1, 2, 2048, 128),) * 2, "128-heads-in-lanes": ((2, 4, 128, 64),) * 2}
+# (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (3 heads of 64 are not whole
+# lane columns: the flash kernels, every block all of L, the planes in one grid step; 4 heads run
+# heads_in_lanes, lengths that are not whole tiles), and 2048 tokens with the default blocks at
+# their largest.
+ATTENTION_SHAPES = {"ragged": ((2, 4, 1000, 64), (2, 4, 700, 64)), "197": ((2, 3, 197, 64),) * 2,
+                    "197-heads-in-lanes": ((2, 4, 197, 64),) * 2, "2048-head-128": ((1, 2, 2048, 128),) * 2,
+                    "128-heads-in-lanes": ((2, 4, 128, 64),) * 2}
 
 
 # float16 reaches the kernels as float32 (Mosaic has no float16): threefry's float16 compiles its
@@ -272,8 +274,9 @@ ATTENTION_CONFIGURATIONS = [("threefry", "bfloat16"), ("threefry", "float16"), (
 @pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
 def test_attention(generation, impl, dtype):
     """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype,
-    197 in float32; 128 (several heads per lane column: heads_in_lanes) in both."""
-    names = ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197")
+    197 in float32 (the flash kernels' planes, and several heads per lane column: heads_in_lanes),
+    128 (heads_in_lanes) in both."""
+    names = ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197", "197-heads-in-lanes")
     for name in names + ("128-heads-in-lanes",):
         query_shape, key_shape = ATTENTION_SHAPES[name]
         query, key = (jax.ShapeDtypeStruct(shape, DTYPES[dtype]) for shape in (query_shape, key_shape))
@@ -373,8 +376,9 @@ def _compiles_tiled_dropout(generation):
 
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
-# ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn) and BERT's 128 tokens with a padding
-# mask, and its eager attention's weights (several heads per lane column).
+# ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn), several heads per lane column (BERT's
+# 128 tokens with a padding mask, ViT-B/16's 12 heads of 197), and eager attention's weights (the
+# same).
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
         functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,
@@ -385,18 +389,20 @@ TILED_CONFIGURATIONS = {
     "attention": lambda generation: compiles(
         functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
         *[jax.ShapeDtypeStruct(ATTENTION_SHAPES["197"][0], jnp.float32)] * 3, generation=generation),
-    "attention-heads-in-lanes": lambda generation: compiles(
-        functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
-        *[jax.ShapeDtypeStruct((8, 12, 128, 64), jnp.float32)] * 3, jax.ShapeDtypeStruct((8, 1, 1, 128), jnp.bool_),
-        generation=generation),
+    "attention-heads-in-lanes": lambda generation: (
+        compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
+                 *[jax.ShapeDtypeStruct((8, 12, 128, 64), jnp.float32)] * 3,
+                 jax.ShapeDtypeStruct((8, 1, 1, 128), jnp.bool_), generation=generation),
+        compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
+                 *[jax.ShapeDtypeStruct((2, 12, 197, 64), jnp.float32)] * 3, generation=generation)),
     "dropout_matmul": lambda generation: compiles(
         functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
         *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
         generation=generation),
-    "dropout_matmul-heads-in-lanes": lambda generation: compiles(
+    "dropout_matmul-heads-in-lanes": lambda generation: [compiles(
         functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
-        *(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((8, 12, 128, 128), (8, 12, 128, 64))),
-        generation=generation),
+        *(jax.ShapeDtypeStruct((B, 12, L, L), jnp.float32), jax.ShapeDtypeStruct((B, 12, L, 64), jnp.float32)),
+        generation=generation) for B, L in ((8, 128), (2, 197))],
 }
 
 
@@ -469,6 +475,7 @@ def float32(*shape):
 
 # Two blocks of queries and of keys in a short compile.
 SMALL_BLOCKS = attention.AttentionBlocks(128, 128)
+VIT_PLANES = attention.AttentionBlocks(197, 197, 8)
 
 
 def indrnn_forward_and_backward(x, weight, h0, **options):
@@ -493,8 +500,12 @@ NAMED_CASES = {
                          [KEY, *[float32(1, 2, 256, 64)] * 3],
                          ["attention_fwd_threefry_causal_b128x128", "attention_dkv_threefry_causal_b128x128",
                           "attention_dq_threefry_causal_b128x128"]),
-    "attention-vit": (attention_forward_and_backward, [KEY, *[float32(1, 8, 197, 64)] * 3],
+    # ViT's planes given as blocks of 8 planes: the flash kernels, where its default runs heads_in_lanes'.
+    "attention-vit": (functools.partial(attention_forward_and_backward, blocks=VIT_PLANES, backward_blocks=VIT_PLANES),
+                      [KEY, *[float32(1, 8, 197, 64)] * 3],
                       ["attention_fwd_p8_b197x197", "attention_dqkv_p8_b197x197"]),
+    "attention-vit-heads-in-lanes": (attention_forward_and_backward, [KEY, *[float32(1, 8, 197, 64)] * 3],
+                                     ["attention_fwd_lanes_b197x197", "attention_dqkv_lanes_b197x197"]),
     "softmax_dropout_matmul": (functools.partial(dropout_matmul_forward_and_backward, p=0.1, softmax=True),
                                [KEY, float32(1, 2, 256, 1024), float32(1, 2, 1024, 64)],
                                ["softmax_dropout_matmul_fwd_threefry_b128x1024",
@@ -520,6 +531,7 @@ EXPECTED_COSTS = {
     "sample_normal_threefry_b64x1024": dict(transcendentals=2 * 64 * 1024, bytes_accessed=4 * 64 * 1024 + 8),
     "attention_fwd_threefry_causal_b128x128": dict(transcendentals=2 * 3 * 128 * 128),
     "attention_fwd_p8_b197x197": dict(transcendentals=8 * 197 * 197),
+    "attention_fwd_lanes_b197x197": dict(transcendentals=8 * 197 * 197),
     "indrnn_fwd_tanh_b64x8x256": dict(flops=3 * 64 * 8 * 256, transcendentals=64 * 8 * 256,
                                       bytes_accessed=4 * (2 * 64 * 8 * 256 + 256 + 2 * 8 * 256)),
 }

@@ -12,10 +12,10 @@ computed once in the backward pass instead of twice. Where a plane is smaller th
 after the other, so the step's fixed cost is shared. Where one block holds every key, key and
 value planes are read transposed, ``(E, S)``, if that takes fewer bytes in HBM
 (:func:`lanes_transposed`: head dims under 128 lanes). Planes of at most 256 x 256 with at most a
-mask shared by the heads (BERT's and GPT-2's 128 tokens) run :mod:`heads_in_lanes`'s kernels
-instead, on the operands laid out as the model's projections hold them. The dropout mask is
-regenerated in every kernel from the 8-byte key, per element of the ``(*batch, L, S)``
-probabilities:
+mask shared by the heads (BERT's and GPT-2's 128 tokens, ViT's 197 patches) run
+:mod:`heads_in_lanes`'s kernels instead, on the operands laid out as the model's projections hold
+them. The dropout mask is regenerated in every kernel from the 8-byte key, per element of the
+``(*batch, L, S)`` probabilities:
 
 - ``impl="threefry"``: element ``(b, l, s)`` (``b`` the flat batch index) keeps its
   probability when ``jax.random.bernoulli(key, 1 - dropout_p, (*batch, L, S))`` is True

@@ -25,9 +25,9 @@ backward kernel recomputes the weights from), where apart XLA keeps the softmax'
 exponentials for its own backward fusion beside the weights the kernel reads.
 
 Short planes of heads, ``(B, H, L, S)`` weights with a ``(B, H, S, E)`` value that
-:func:`heads_in_lanes.takes_weights` accepts (BERT's and GPT-2's 128 tokens), run on the value,
-the output and their gradients as a model's projections hold them, ``(B, S, H * E)``
-(:mod:`heads_in_lanes`): the same mask, values and weights' gradient.
+:func:`heads_in_lanes.takes_weights` accepts (BERT's and GPT-2's 128 tokens, ViT's 197 patches),
+run on the value, the output and their gradients as a model's projections hold them,
+``(B, S, H * E)`` (:mod:`heads_in_lanes`): the same mask, values and weights' gradient.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ and :func:`attention.attention_backward` run these kernels where :func:`takes` s
 The flash kernels read ``(B * H, L, E)`` planes, so XLA copies the projections' ``(B, L, H * E)``
 output into that layout for every query, key, value and incoming gradient, and the gradients
 back; with ``E = 64`` a plane is also padded to 128 lanes. Over 128 tokens those copies cost
-more than the attention (BERT at 8 x 128 tokens, float32: ``bench/results/tpu_short_attention.md``).
+more than the attention (BERT at 8 x 128 tokens, float32: ``bench/results/tpu_short_attention.md``);
+over ViT-B/16's 197 patches, whose activations XLA lays out with the batch dim tiled, they were
+most of the copies in its training step (``bench/results/tpu_step.md``).
 These kernels take each operand as ``(B, L, H * E)`` (``swapaxes`` and ``reshape`` of the
 ``(B, H, L, E)`` arguments, which XLA cancels against the model's own transposes) in blocks of
 whole 128-lane columns: a column holds ``128 / E`` heads; a head's matrix products read the
@@ -34,8 +36,10 @@ from torch_pallas.kernels import attention, calls, tiling
 # Lengths up to this take one block of rows and one of keys (a step's planes whole).
 MAX_LENGTH = 256
 # A grid step's block of each operand, at most: columns are grouped up to it (VMEM holds the
-# forward's four and the backward's eight, each double-buffered).
-_MAX_BLOCK_BYTES = 512 * 1024
+# forward's four and the backward's eight, each double-buffered). ViT-B/16's 12 heads of 197 rows,
+# which the row statistics' blocks need in one step (6 of 8 heads would not be whole sublanes),
+# take 591 KiB.
+_MAX_BLOCK_BYTES = 640 * 1024
 
 
 def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, global_shape, causal: bool,
@@ -43,8 +47,9 @@ def takes(query_shape, key_shape, value_shape, *, bias, gqa: bool, blocks, globa
     """Whether a call runs as these kernels: ``(B, H, L, E)`` query, key and value of the same batch
     dims, no GQA, the default blocks, not a shard; a mask, if any, the same for every head (a
     padding or causal mask: :func:`_bias_shape`) and without its gradient (``bias_grad``); a head
-    dim that divides 128 lanes and whole columns of heads; ``L`` whole sublanes and ``S`` whole
-    lanes, both at most :data:`MAX_LENGTH`; causal only with ``L == S``."""
+    dim that divides 128 lanes and whole columns of heads; ``L`` and ``S`` at most
+    :data:`MAX_LENGTH` (a step reads them whole, so they need not be whole tiles); causal only with
+    ``L == S``."""
     if gqa or blocks is not None or global_shape is not None or bias_grad or len(query_shape) != 4:
         return False
     B, H, L, E = query_shape
@@ -67,10 +72,9 @@ def takes_weights(weights_shape, value_shape, dtype, *, blocks) -> bool:
 
 
 def _fits(H: int, L: int, S: int, E: int, *, weights_dtype) -> bool:
-    """A head dim dividing 128 lanes and whole columns of heads, ``L`` whole sublanes and ``S``
-    whole lanes, both at most :data:`MAX_LENGTH`, and a grid step's blocks that fit VMEM."""
-    return (tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L % tiling.SUBLANES == 0
-            and S % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH
+    """A head dim dividing 128 lanes and whole columns of heads, ``L`` and ``S`` at most
+    :data:`MAX_LENGTH`, and a grid step's blocks that fit VMEM."""
+    return (tiling.LANES % E == 0 and (H * E) % tiling.LANES == 0 and L <= MAX_LENGTH and S <= MAX_LENGTH
             and _columns_per_step(L, S, H * E // tiling.LANES, tiling.LANES // E, weights_dtype) is not None)
 
 
