@@ -267,8 +267,8 @@ def test_heads_share_lanes_for_short_planes_only():
 
 
 @pytest.mark.parametrize("impl", ["threefry", "tiled", "hardware"])
-@pytest.mark.parametrize("shape", [((2, 4, 64, 64), (2, 4, 128, 64)), ((1, 4, 197, 64), (1, 4, 197, 64))],
-                         ids=["whole-tiles", "vit-197"])
+@pytest.mark.parametrize("shape", [((2, 4, 64, 64), (2, 4, 128, 64)), ((1, 4, 197, 64), (1, 4, 197, 64)),
+                                   ((2, 4, 5, 64), (2, 4, 37, 64))], ids=["whole-tiles", "vit-197", "ragged"])
 def test_heads_in_lanes_give_the_flash_kernels_values_and_gradients(impl, shape, emulated_hardware_prng):
     """The same mask (plane ``b * H + h``, the whole plane's tiles, cut where the lengths are not
     whole tiles) and, to rounding, the same values and gradients as the flash kernels on the
