@@ -125,9 +125,10 @@ def test_attention_runs_per_shard_with_the_unsharded_mask_and_no_all_gather(mesh
     assert same_sharding(out, parts[0]) and all(same_sharding(g, p) for g, p in zip(grads, parts))
     assert runs_per_shard(modules, [4 // MESHES[mesh][0] if spec[0] else 4, 8 // MESHES[mesh][1] if spec[1] else 8,
                                     32, 16]) and hlo_dump.all_gather_sizes(modules) == []
-    assert np.array_equal(bits(out), bits(expected_out))
-    for grad, expected in zip(grads, expected_grads):
-        np.testing.assert_allclose(np.asarray(array(grad)), np.asarray(array(expected)), atol=1e-6, rtol=1e-6)
+    # Without GQA the whole call runs heads_in_lanes' kernels and a shard the flash kernels (heads_in_lanes
+    # takes no shard): the same mask, values to rounding (another mask would be off by whole weights).
+    for got, expected in zip((out, *grads), (expected_out, *expected_grads)):
+        np.testing.assert_allclose(np.asarray(array(got)), np.asarray(array(expected)), atol=1e-6, rtol=1e-6)
 
 
 INDRNN_CASES = [("4x1", (None, "data", None)), ("2x2", (None, "data", "model"))]
