@@ -12,7 +12,7 @@ import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from torch_pallas import residual_fusion
-from torch_pallas.kernels import dropout_matmul, heads_in_lanes
+from torch_pallas.kernels import heads_in_lanes
 from kernel_calls import record_dropout_keys
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers: pip install -e '.[test]'")
@@ -181,14 +181,14 @@ def test_routed_model_on_sdpa_attention_has_no_torch_dropout_compiles_fullgraph_
 
 # Per attention: the module and functions of its kernels on the models' layout, and the routing.
 HEADS_IN_LANES = {"sdpa": (heads_in_lanes, ("forward", "backward"), {}),
-                  "eager": (dropout_matmul, ("_forward_in_lanes", "_backward_in_lanes"), {"fuse_matmul": True})}
+                  "eager": (heads_in_lanes, ("forward", "backward"), {"fuse_matmul": True})}
 
 
 @pytest.mark.parametrize("attention", HEADS_IN_LANES)
 def test_bert_over_128_tokens_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch, attention):
     """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, a padding
     mask, the same for every head) runs kernels.heads_in_lanes forward and backward, and learns;
-    so does its eager attention's fused softmax, dropout and product with the values."""
+    so does its eager attention, whole (its scores q @ k.T / 8 + the mask: route_dropout(fuse_matmul=True))."""
     module, phases, fusion = HEADS_IN_LANES[attention]
     ran = []
     for phase in phases:

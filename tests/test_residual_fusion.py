@@ -249,6 +249,92 @@ def test_products_it_cannot_fuse_are_left_to_torch():
     assert eager_cpu.shape == (2, 3, 16, 8)
 
 
+def attention_nodes(*tensors) -> int:
+    """How many attention kernels (key, query, key, value, and a mask) the lazy graph of
+    ``tensors`` holds, dead nodes left out."""
+    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    return sum(operands.count(",") >= 3 for operands in re.findall(r"xla::torch_pallas\(([^)]*)\)", text))
+
+
+# Eager attention's scores from query, key and an additive mask, as models write them.
+SCORES_FORMS = {
+    "q @ k.T / c + mask (BERT)": lambda q, k, m: torch.matmul(q, k.transpose(-1, -2)) / 8.0 + m,
+    "q @ k.T * c (ViT)": lambda q, k, m: torch.matmul(q, k.transpose(2, 3)) * 0.125,
+    "mask + q @ k.T": lambda q, k, m: m + q @ k.transpose(-2, -1),
+}
+# (batch, L, S, E): flash planes, and heads that fill whole lane columns (heads in lanes).
+ATTENTION_SHAPES = {"planes": ((2, 3), 16, 256, 32), "heads-in-lanes": ((2, 4), 16, 128, 32)}
+
+
+def eager_attention(scores_form, q, k, v, mask):
+    return F.dropout(F.softmax(SCORES_FORMS[scores_form](q, k, mask), dim=-1), 0.5) @ v
+
+
+def routed_eager_attention(form, shape, impl, routes):
+    """Per route (``"attention"``: as models write it; ``"dropout_matmul"``: the key written in
+    place first, so that the scores are no remembered product; ``"unfused"``) the output of
+    :func:`eager_attention` and the gradients of its leaves (the additive mask's too, where the
+    form has one)."""
+    batch, L, S, E = ATTENTION_SHAPES[shape]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*batch, n, E).to(DEVICE).requires_grad_() for n in (L, S, S))
+    mask = (torch.randn(batch[0], 1, 1, S) * 2).to(DEVICE).requires_grad_()
+    leaves = (q, k, v, mask) if "mask" in form else (q, k, v)
+    results = {}
+    for route in routes:
+        torch_xla.manual_seed(3)
+        with torch_pallas.route_dropout(fuse_matmul=route != "unfused", impl=impl):
+            key = k.clone().add_(0) if route == "dropout_matmul" else k
+            out = eager_attention(form, q, key, v, mask)
+        if route == "attention":  # one kernel: no scores, softmax or product left in the lazy graph
+            assert attention_nodes(out) == 1 and not has_softmax(out)
+            assert kernel_nodes(out, matmul=True) == {"dropout": 0, "dropout_add": 0, "dropout_matmul": 0}
+        results[route] = [out, *torch.autograd.grad(out.square().sum(), leaves)]
+    return results
+
+
+def assert_within_float32_rounding(results, reference):
+    for expected, fused in zip(results[reference], results["attention"]):
+        torch.testing.assert_close(fused.cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", SCORES_FORMS)
+def test_eager_attention_of_query_and_key_runs_as_one_attention_with_the_fused_products_mask(form):
+    """With the scores a remembered q @ k.T (scaled, masked), the whole eager attention is one
+    attention kernel with the mask dropout_matmul draws for the weights (tiled: per attention
+    tile), values and gradients within float32 rounding (the softmax's rounding, amplified)."""
+    assert_within_float32_rounding(routed_eager_attention(form, "planes", "tiled", ("attention", "dropout_matmul")),
+                                   "dropout_matmul")
+
+
+def test_eager_attention_in_lanes_with_threefry_has_the_unfused_dropouts_mask():
+    results = routed_eager_attention("q @ k.T / c + mask (BERT)", "heads-in-lanes", "threefry",
+                                     ("attention", "unfused"))
+    assert_within_float32_rounding(results, "unfused")
+
+
+def test_scores_it_cannot_take_are_left_to_the_fused_product():
+    """Scores other than q @ k.T, one scaling by a number, then one added mask of the scores'
+    dtype: the softmax, dropout and product are dropout_matmul's, as before."""
+    q, k, v = integers(2, 3, 16, 32), integers(2, 3, 24, 32), integers(2, 3, 24, 8)
+    mask = integers(2, 1, 1, 24)
+    cases = {
+        "a tensor's scale (GPT-2's)": lambda: torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
+        "masked, then scaled": lambda: (q @ k.transpose(-1, -2) + mask) / 8.0,
+        "masked in place (T5's)": lambda: (q @ k.transpose(-1, -2)).add_(mask),
+        "two masks": lambda: q @ k.transpose(-1, -2) + mask + mask,
+        "a key broadcast over the batch": lambda: q @ k[:1].transpose(-1, -2),
+        "a mask that widens the scores": lambda: q[:, :, :1] @ k.transpose(-1, -2) + integers(2, 3, 16, 24),
+        "a query written in place since": lambda: (lambda s: (q.add_(0), s)[1])(q @ k.transpose(-1, -2)),
+        "another dtype's mask": lambda: q @ k.transpose(-1, -2) + mask.bfloat16(),
+    }
+    for name, scores in cases.items():
+        with torch_pallas.route_dropout(fuse_matmul=True):
+            out = F.dropout(F.softmax(scores(), dim=-1), 0.5) @ v
+        assert attention_nodes(out) == 0, name
+        assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 1, name
+
+
 @pytest.mark.parametrize("shape", PRODUCT_SHAPES)
 def test_fused_matmul_under_torch_func_grad_and_checkpointing(shape):
     (*batch, L, S), Ev = PRODUCT_SHAPES[shape]
@@ -322,7 +408,10 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
 @pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
 def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmul(make_model):
     """With eager attention every layer's softmax, dropout of its attention weights and product
-    with the values are one kernel (T5's too); the other dropouts are as with sdpa."""
+    with the values are one kernel (T5's too); the other dropouts are as with sdpa. BERT's and
+    ViT's scores are q @ k.T scaled by a number (BERT's masked after): their whole attention
+    is one attention kernel. GPT-2 divides by a tensor, T5 adds its position bias in place:
+    dropout_matmul takes their scores."""
     torch.manual_seed(0)
     model, inputs = make_model(attn_implementation="eager")
     model = model.to(DEVICE).train()
@@ -331,8 +420,10 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
     layers = 2
+    whole = make_model in (bert, vit)
     assert kernel_nodes(hidden, matmul=True) == {"dropout": standalone - (layers if make_model is t5 else 0),
-                                                 "dropout_add": fused, "dropout_matmul": layers}
+                                                 "dropout_add": fused, "dropout_matmul": 0 if whole else layers}
+    assert attention_nodes(hidden) == (layers if whole else 0)
     assert not has_softmax(hidden)  # each layer's softmax is in its kernel too
 
 

@@ -3,7 +3,9 @@
 :func:`torch_pallas.dropout_add`, and, in lazy mode, eager attention's product of dropped
 weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout_matmul`, with
 the softmax before it when the weights are a remembered softmax of scores
-(``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`).
+(``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`), and the whole of it as
+:func:`torch_pallas.scaled_dot_product_attention` when the scores are a remembered
+``query @ key.transpose(-2, -1)``, scaled and masked (:func:`remembered_scores`).
 
 A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
 memory and read it back, a pass over the tensor that the fused kernel saves. How the add is
@@ -25,13 +27,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
+from typing import NamedTuple
 
 import torch
 from torch.autograd import forward_ad
 
-from torch_pallas import bridge, functional, sharding
+from torch_pallas import _checks, bridge, functional, sharding
 from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
-from torch_pallas.ops import dropout_matmul as dropout_matmul_ops
+from torch_pallas.ops import attention as attention_ops, dropout_matmul as dropout_matmul_ops
 
 __all__ = ["BACKEND", "backend", "fuse_residual_dropouts"]
 
@@ -60,24 +64,25 @@ def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
     # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
     # kernel has run already.
     if drawn.key_data is not None and not torch.compiler.is_compiling() and bridge.runs_lazily(x):
-        _remember(output, _DRAWN, x, (next(_draws), drawn))
+        _remember(output, _DRAWN, (x,), (next(_draws), drawn))
     return output
 
 
-def _remember(output: torch.Tensor, name: str, source: torch.Tensor, payload) -> None:
+def _remember(output: torch.Tensor, name: str, sources: tuple[torch.Tensor, ...], payload) -> None:
     """Keeps ``payload`` on ``output`` under ``name`` with the versions of ``output`` and of
-    ``source``, what it was computed from, for :func:`_recall`."""
-    setattr(output, name, (payload, source, source._version, output._version))
+    ``sources``, what it was computed from, for :func:`_recall`."""
+    setattr(output, name, (payload, tuple((source, source._version) for source in sources), output._version))
 
 
 def _recall(tensor, name: str):
-    """What :func:`_remember` kept on ``tensor`` under ``name``, if neither it nor its source
-    has been written in place since (through any view: the version counters say so)."""
+    """What :func:`_remember` kept on ``tensor`` under ``name``, if neither it nor its sources
+    have been written in place since (through any view: the version counters say so)."""
     remembered = getattr(tensor, name, None) if isinstance(tensor, torch.Tensor) else None
     if remembered is None:
         return None
-    payload, source, source_version, version = remembered
-    return payload if source._version == source_version and tensor._version == version else None
+    payload, sources, version = remembered
+    unchanged = tensor._version == version and all(source._version == seen for source, seen in sources)
+    return payload if unchanged else None
 
 
 def _drawn_dropout_of(tensor) -> tuple[int, functional.DrawnDropout] | None:
@@ -130,7 +135,75 @@ def remembered_softmax(func, args, kwargs) -> torch.Tensor:
     scores, dim, dtype = call.arguments["input"], call.arguments.get("dim"), call.arguments.get("dtype")
     if (isinstance(scores, torch.Tensor) and isinstance(output, torch.Tensor) and scores.dim() >= 1
             and dim in (-1, scores.dim() - 1) and dtype in (None, scores.dtype) and bridge.runs_lazily(scores)):
-        _remember(output, _SOFTMAX_OF, scores, scores)
+        _remember(output, _SOFTMAX_OF, (scores,), scores)
+    return output
+
+
+# ``scores * c``, ``c * scores`` (both reach a mode as ``Tensor.mul(scores, c)``), ``scores / c``.
+SCALINGS = {torch.mul: False, torch.Tensor.mul: False, torch.div: True, torch.Tensor.div: True}
+_SCORES_OF = "_torch_pallas_scores_of"
+
+
+class AttentionScores(NamedTuple):
+    """Attention scores as :func:`torch_pallas.scaled_dot_product_attention` computes them:
+    ``query @ key_transposed * scale + mask``."""
+
+    query: torch.Tensor
+    key_transposed: torch.Tensor
+    scale: float = 1.0
+    mask: torch.Tensor | None = None
+
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        return (self.query, self.key_transposed) + (() if self.mask is None else (self.mask,))
+
+    def attend(self, value: torch.Tensor, drawn: functional.DrawnDropout) -> torch.Tensor | None:
+        """``drawn.output() @ value`` for ``drawn`` a dropout of these scores' softmax: the
+        attention with the dropout's key and ``p``; ``None`` where the attention op does not
+        take the call (then the product is computed as written)."""
+        query, key = self.query, self.key_transposed.transpose(-2, -1)
+        if not (drawn.key_data is not None and isinstance(value, torch.Tensor) and value.dtype == query.dtype
+                and value.device == query.device and value.shape[:-1] == key.shape[:-1] and value.numel()
+                and query.numel() and not any(sharding.resolve(t) is not None for t in (*self.sources(), value))):
+            return None
+        return attention_ops.apply(query, key, value, self.mask, drawn.key_data, dropout_p=drawn.p, impl=drawn.impl,
+                                   is_causal=False, scale=self.scale, enable_gqa=False)
+
+
+def remembered_scores(func, args, kwargs) -> torch.Tensor:
+    """``func(*args, **kwargs)`` (one of :data:`MATMULS`, :data:`SCALINGS` or :data:`ADDS`);
+    on tensors that run lazily, a step of eager attention's scores remembers the
+    :class:`AttentionScores` it makes, so that a routed dropout of their softmax and its
+    product with a value run as one attention (:func:`fused_matmul`). The steps:
+    ``query @ key_transposed`` of one batch shape (``(*batch, L, E) @ (*batch, E, S)``, a
+    float dtype of the kernels), then at most one scaling by a Python number, then at most
+    one added mask of the scores' dtype and device that broadcasts to them (transformers'
+    additive attention mask)."""
+    output = func(*args, **kwargs)
+    if not (isinstance(output, torch.Tensor) and len(args) == 2 and isinstance(args[0], torch.Tensor)):
+        return output
+    first, second = args
+    scores = None
+    if func in MATMULS and not kwargs:
+        if (isinstance(second, torch.Tensor) and first.dim() == second.dim() >= 3
+                and first.shape[:-2] == second.shape[:-2] and first.dtype == second.dtype
+                and first.dtype in _checks.FLOAT_DTYPES and first.device == second.device
+                and bridge.runs_lazily(first)):
+            scores = AttentionScores(first, second)
+    elif func in SCALINGS and not kwargs:
+        earlier = _recall(first, _SCORES_OF)
+        if (earlier is not None and earlier.mask is None and isinstance(second, numbers.Real)
+                and not isinstance(second, bool) and second != 0 and output.dtype == first.dtype):
+            factor = 1 / float(second) if SCALINGS[func] else float(second)
+            scores = earlier._replace(scale=earlier.scale * factor)
+    elif func in ADDS and func is not torch.Tensor.add_ and not kwargs and isinstance(second, torch.Tensor):
+        for candidate, mask in ((first, second), (second, first)):
+            earlier = _recall(candidate, _SCORES_OF)
+            if (earlier is not None and earlier.mask is None and mask.dtype == candidate.dtype
+                    and mask.device == candidate.device and output.shape == candidate.shape):
+                scores = earlier._replace(mask=mask)
+                break
+    if scores is not None:
+        _remember(output, _SCORES_OF, scores.sources(), scores)
     return output
 
 
@@ -148,6 +221,12 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
         return None
     drawn = found[1]
     scores = _recall(drawn.x, _SOFTMAX_OF)  # the scores whose softmax the weights are
+    attention = _recall(scores, _SCORES_OF)
+    if attention is not None:
+        # the whole attention in the flash (or heads-in-lanes) kernels: not even the scores are kept.
+        attended = attention.attend(args[1], drawn)
+        if attended is not None:
+            return attended
     if (scores is not None and drawn.key_data is not None
             and dropout_matmul_kernels.rows_fit(*scores.shape[-2:], drawn.impl)):
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.

@@ -67,7 +67,12 @@ class route_dropout(TorchFunctionMode):
             ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` of scores over their last
             dim (in their dtype), rows of at most 16384, the softmax joins the kernel too
             (computed in float32 and rounded once, whole rows per block: within float32
-            rounding of unfused), and only the scores are kept. With ``impl="threefry"``
+            rounding of unfused), and only the scores are kept. When the scores are
+            ``query @ key.transpose(-2, -1)`` of one batch shape, then at most one ``*`` or
+            ``/`` by a Python number, then at most one added mask of their dtype that
+            broadcasts to them (BERT's and ViT's eager attention), the whole attention runs
+            as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
+            same mask), and nothing of size ``L x S`` is kept. With ``impl="threefry"``
             the same mask; with ``impl="hardware"`` or ``"tiled"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
@@ -119,14 +124,17 @@ class route_dropout(TorchFunctionMode):
                 if (self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace:
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
                 return ours(input, p, training, inplace, impl=self.impl)
-        elif self.fuse_residual and func in residual_fusion.ADDS and not torch.compiler.is_compiling():
-            fused = residual_fusion.fused_add(func, args, kwargs)
+        elif (self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS and not torch.compiler.is_compiling():
+            fused = residual_fusion.fused_add(func, args, kwargs) if self.fuse_residual else None
             if fused is not None:
                 return fused
+            if self.fuse_matmul:
+                return residual_fusion.remembered_scores(func, args, kwargs)
         elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_matmul(func, args, kwargs)
-            if fused is not None:
-                return fused
+            return fused if fused is not None else residual_fusion.remembered_scores(func, args, kwargs)
+        elif self.fuse_matmul and func in residual_fusion.SCALINGS and not torch.compiler.is_compiling():
+            return residual_fusion.remembered_scores(func, args, kwargs)
         elif self.fuse_matmul and func in residual_fusion.SOFTMAXES and not torch.compiler.is_compiling():
             return residual_fusion.remembered_softmax(func, args, kwargs)
         elif func is F.scaled_dot_product_attention and self.attention != "none":

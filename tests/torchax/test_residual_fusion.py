@@ -1,6 +1,7 @@
 """route_dropout(fuse_residual=True, fuse_matmul=True) on torchax tensors: inside a JAX trace
-the add of a routed dropout is dropout_add, and its product with a value dropout_matmul, with
-the dropout's key; the traced step holds one kernel."""
+the add of a routed dropout is dropout_add, and its product with a value dropout_matmul (the
+attention kernel, when the weights are the softmax of q @ k.T), with the dropout's key; the
+traced step holds one kernel."""
 
 import jax
 import jax.extend.core
@@ -96,6 +97,34 @@ def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused(scor
     # torch's softmax was traced, then dropped, dead: the kernel computes it.
     jaxpr, _ = partial_eval.dce_jaxpr(jax.make_jaxpr(fused)(scores, value, key).jaxpr, [True])
     assert "reduce_max" not in {str(equation.primitive) for equation in _equations(jaxpr)}
+
+
+@pytest.mark.usefixtures("in_env")
+def test_traced_eager_attention_of_query_and_key_is_one_attention_kernel_close_to_unfused():
+    """Eager attention's scores q @ k.T / c + mask, softmax, dropout and product: one attention
+    kernel (threefry: the unfused dropout's mask), values and gradients within float32 rounding."""
+    def eager_attention(fuse_matmul):
+        def attention(q, k, v, mask, key):
+            with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
+                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                q, k, v, mask = (torch_view(t) for t in (q, k, v, mask))
+                scores = torch.matmul(q, k.transpose(-1, -2)) / 8.0 + mask
+                return jax_view(F.dropout(F.softmax(scores, dim=-1), 0.5) @ v)
+        return jax.jit(attention)
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jax_view(jax_tensor(rng.standard_normal((2, 4, 16, 32)).astype(np.float32))) for _ in range(3))
+    mask = jax_view(jax_tensor(rng.standard_normal((2, 1, 1, 16)).astype(np.float32)))
+    key = jax_view(torch_pallas.seeds.key_data(seed=6))
+    fused, unfused = eager_attention(True), eager_attention(False)
+    for f, u in zip(jax.grad(lambda *a: (fused(*a, key) ** 2).sum(), argnums=(0, 1, 2, 3))(q, k, v, mask),
+                    jax.grad(lambda *a: (unfused(*a, key) ** 2).sum(), argnums=(0, 1, 2, 3))(q, k, v, mask)):
+        np.testing.assert_allclose(np.asarray(f), np.asarray(u), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(fused(q, k, v, mask, key)), np.asarray(unfused(q, k, v, mask, key)),
+                               rtol=1e-5, atol=1e-5)
+    jaxpr, _ = partial_eval.dce_jaxpr(jax.make_jaxpr(fused)(q, k, v, mask, key).jaxpr, [True])
+    primitives = [str(equation.primitive) for equation in _equations(jaxpr)]
+    assert primitives.count("pallas_call") == 1 and "dot_general" not in primitives  # no scores outside it
 
 
 def _equations(jaxpr):
