@@ -124,7 +124,8 @@ class route_dropout(TorchFunctionMode):
                 if (self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace:
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
                 return ours(input, p, training, inplace, impl=self.impl)
-        elif (self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS and not torch.compiler.is_compiling():
+        elif ((self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS
+              and not torch.compiler.is_compiling()):
             fused = residual_fusion.fused_add(func, args, kwargs) if self.fuse_residual else None
             if fused is not None:
                 return fused
