@@ -74,12 +74,6 @@ KEY_VALUE_TRANSPOSED = "10ca643"
 # the RNG, a kernel on operands XLA keeps in VMEM). The table marks time ratios resting on one until the
 # rows are measured again; a graph is compiled again rather than take such a record's figures.
 ESTIMATOR = "b84cc66"
-# From this commit on, route_dropout(fuse_matmul=True) runs eager attention whose scores are q @ k.T,
-# scaled and masked, whole as the attention kernels (BERT's, ViT's); before it, as dropout_matmul with
-# the scores computed by XLA. Records made since say so ("scores_to_attention"); the table marks the
-# eager rows of those models made before.
-SCORES_TO_ATTENTION = "1ac3e3e"
-SCORES_TO_ATTENTION_MODELS = ("bert", "bert-128", "vit")
 PATH = RESULTS / "tpu_step.json"
 
 
@@ -323,8 +317,7 @@ def measure(model, batch, variant: str, generations, known=None):
             "peak_bytes": compiled.peak_bytes, "temp_bytes": compiled.temp_bytes,
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops, "tpu_custom_calls": kernels,
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
-            "unestimated": unestimated, digest_name: digest, "commit": commit(), "estimator": ESTIMATOR,
-            "scores_to_attention": True, **extra,
+            "unestimated": unestimated, digest_name: digest, "commit": commit(), "estimator": ESTIMATOR, **extra,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]],
             **(estimate and breakdown(estimate) or {})}
@@ -442,8 +435,7 @@ def render(records: list) -> str:
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
                                  + ("" if "commit" in row or variant == "no dropout" else " †")
-                                 + (" ‡" if _estimated_before_the_fix(row, torch_row) else "")
-                                 + (" §" if _eager_attention_before_scores_to_attention(row) else ""))
+                                 + (" ‡" if _estimated_before_the_fix(row, torch_row) else ""))
                 cells.append(own.get("tpu_custom_calls", "—"))
                 rows.append(cells)
     layers = sorted({r["layers"] for r in records})
@@ -492,11 +484,6 @@ def render(records: list) -> str:
                   "the branch's own index, after long bundles (an XLA copy loop, the RNG, a kernel on operands XLA "
                   "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\", says how far the "
                   "ratios estimated again moved).\n\n")
-    if any(_eager_attention_before_scores_to_attention(r) for r in records):
-        notes += (f"§: estimated before {SCORES_TO_ATTENTION}, when `fuse_matmul` ran this model's eager attention as "
-                  "`dropout_matmul` (softmax, dropout and product in one kernel, the scores computed by XLA and kept "
-                  "for the backward pass); it now runs whole in the attention kernels, as `sdpa` does "
-                  "(docs/transformers.md). Not the current kernels' figures.\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:
@@ -550,14 +537,6 @@ def render_breakdown(records: list) -> str:
 def _estimated_before_the_fix(*rows) -> bool:
     """Whether any of ``rows`` holds a time estimate made before :data:`ESTIMATOR`."""
     return any(row.get("estimate_s") is not None and row.get("estimator") != ESTIMATOR for row in rows)
-
-
-def _eager_attention_before_scores_to_attention(row) -> bool:
-    """Whether ``row`` is a fused step of eager attention that :data:`SCORES_TO_ATTENTION` changed,
-    estimated before it."""
-    fused = row.get("variant") in ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled")
-    return (fused and row.get("attention") == "eager" and row.get("model") in SCORES_TO_ATTENTION_MODELS
-            and "peak_bytes" in row and not row.get("scores_to_attention"))
 
 
 def _ms(seconds):
