@@ -17,16 +17,24 @@ from torch_pallas import residual_fusion
 DEVICE = torch_xla.device()
 
 
+def kernel_calls(*tensors) -> tuple[dict, list]:
+    """The lazy graph of ``tensors``, dead nodes left out: the shape of each node (``{"%3":
+    "f32[16,128]{1,0}"}``) and each torch_pallas kernel's output shape (a parenthesised tuple of
+    shapes for several outputs: attention's) and operands."""
+    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    calls = [(output, [operand.strip() for operand in operands.split(",")])
+             for output, operands in re.findall(r"= (\(.*?\)|\S+) xla::torch_pallas\(([^)]*)\)", text)]
+    return dict(re.findall(r"(%\d+) = (\S+)", text)), calls
+
+
 def kernel_nodes(*tensors, matmul: bool = False) -> dict:
     """How many dropout kernels (key, x), fused dropout_add kernels (key, x, residual: the
     output's shape) and, with ``matmul``, dropout_matmul kernels (key, weights, value: another
     shape) the lazy graph of ``tensors`` holds: what would be compiled and run, dead nodes left
-    out. (Attention kernels take four operands or more.)"""
-    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
-    shapes = dict(re.findall(r"(%\d+) = (\S+)", text))
+    out. (Attention kernels take four operands or more: :func:`attention_nodes`.)"""
+    shapes, calls = kernel_calls(*tensors)
     counts = {"dropout": 0, "dropout_add": 0, "dropout_matmul": 0}
-    for output, operands in re.findall(r"= (\S+) xla::torch_pallas\(([^)]*)\)", text):
-        operands = [operand.strip() for operand in operands.split(",")]
+    for output, operands in calls:
         if len(operands) == 2:
             counts["dropout"] += 1
         elif len(operands) == 3:
@@ -252,8 +260,7 @@ def test_products_it_cannot_fuse_are_left_to_torch():
 def attention_nodes(*tensors) -> int:
     """How many attention kernels (key, query, key, value, and a mask) the lazy graph of
     ``tensors`` holds, dead nodes left out."""
-    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
-    return sum(operands.count(",") >= 3 for operands in re.findall(r"xla::torch_pallas\(([^)]*)\)", text))
+    return sum(len(operands) >= 4 for _, operands in kernel_calls(*tensors)[1])
 
 
 # Eager attention's scores from query, key and an additive mask, as models write them.
