@@ -7,6 +7,7 @@ each stack's run skips the others'.
 """
 
 import importlib.util
+import itertools
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -65,6 +66,19 @@ if STACK != "torchtpu":
 else:
     # The torchax stack runs the kernel tier with the same jax and libtpu.
     collect_ignore += ["kernels"]
+
+
+def crossed(fast, **axes):
+    """``pytest.param``s for every combination of the values of ``axes`` (each an argument name
+    mapped to ``{id: value}``, or to strings that are their own ids), in the order given; the
+    combinations whose ids are not in ``fast`` are in the slow tier. ``fast`` covers each value of
+    each axis (and, where it matters, each pair), so what the slow tier adds are combinations of
+    parts checked separately."""
+    axes = {name: axis if isinstance(axis, dict) else {value: value for value in axis} for name, axis in axes.items()}
+    combinations = list(itertools.product(*axes.values()))
+    assert set(fast) <= set(combinations), f"{set(fast) - set(combinations)} is no combination of {list(axes)}"
+    return [pytest.param(*[axis[id_] for axis, id_ in zip(axes.values(), ids)], id="-".join(ids),
+                         marks=() if ids in fast else pytest.mark.slow) for ids in combinations]
 
 
 def pytest_addoption(parser):

@@ -49,6 +49,7 @@ def test_batch_first():
     check_against_reference(*random_case((9, 5, 130)), "tanh", batch_first=True)
 
 
+@pytest.mark.slow  # the kernels at this shape: tests/kernels/test_indrnn.py::test_benchmark_shape
 def test_benchmark_shape():
     # The public benchmark's case: T = 1000, F = 1000, B = 1, relu, w = 1, h0 = 0.
     x, _, _, grad_output, grad_h_n = random_case((1000, 1, 1000))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src import config as jax_config
 
+from conftest import crossed
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import key_data
 from torch_pallas.kernels import attention, dropout, dropout_matmul, heads_in_lanes
@@ -126,9 +127,10 @@ def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["threefry", "tiled"])
-@pytest.mark.parametrize("softmax", [False, True])
-def test_planes_per_grid_step_give_the_same_values_and_gradients(impl, softmax):
+@pytest.mark.parametrize("softmax,impl", crossed({("weights", "tiled"), ("softmax", "threefry")},
+                                                 softmax={"weights": False, "softmax": True},
+                                                 impl=["threefry", "tiled"]))
+def test_planes_per_grid_step_give_the_same_values_and_gradients(softmax, impl):
     """A grid step over several short planes draws each plane's own mask: values and both
     gradients are those of one plane per step, bit for bit."""
     weights, value, grad_out = _case((4, 24, 40), 16, jnp.float32, seed=3)
@@ -185,15 +187,19 @@ def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatc
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["threefry", "tiled"])
-@pytest.mark.parametrize("softmax", [False, True])
-@pytest.mark.parametrize("shape_w, Ev", [((2, 4, 16, 128), 32), ((1, 12, 24, 256), 64), ((1, 4, 197, 197), 64)],
-                         ids=["4-heads-a-column", "2-heads-a-column", "vit-197"])
-def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(impl, softmax, shape_w, Ev):
+# Every pair of the softmax and the impl; each layout with one or two of them.
+@pytest.mark.parametrize("layout,softmax,impl", crossed(
+    {("4-heads-a-column", "weights", "tiled"), ("4-heads-a-column", "softmax", "threefry"),
+     ("2-heads-a-column", "weights", "threefry"), ("vit-197", "softmax", "tiled")},
+    layout={"4-heads-a-column": ((2, 4, 16, 128), 32), "2-heads-a-column": ((1, 12, 24, 256), 64),
+            "vit-197": ((1, 4, 197, 197), 64)},
+    softmax={"weights": False, "softmax": True}, impl=["threefry", "tiled"]))
+def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(layout, softmax, impl):
     """Short planes whose value a projection holds as ``(B, S, H * E)`` run on that layout, with
     the mask of the kernels over planes and their values and gradients to float32 rounding (the
     value's gradient sums over blocks of rows there; jax 0.10's CPU dot sums a transposed operand
     in another order). Another mask would be off by whole kept weights times values."""
+    shape_w, Ev = layout
     assert heads_in_lanes.takes_weights(shape_w, (*shape_w[:-2], shape_w[-1], Ev), jnp.float32, blocks=None)
     weights, value, grad_out = _case(shape_w, Ev, jnp.float32, seed=4)
     results = []

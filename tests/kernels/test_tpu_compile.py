@@ -1,7 +1,7 @@
 """Every kernel compiled for the TPU generations the installed libtpu knows (v4, v5e, v5p, v6e;
-TPU7x too with libtpu 0.0.52) by libtpu's real compiler, on CPU: with the newest libtpu (the
-torchax stack's) the whole matrix for every generation; with torch_xla's libtpu 0.0.21 the
-whole matrix for v6e and a representative subset for the others.
+TPU7x too with libtpu 0.0.52) by libtpu's real compiler, on CPU: the whole matrix for TPU7x
+(the torchax stack's libtpu), a representative subset and the tiled impl's configurations for
+every other generation, and the whole matrix for those in the slow tier (``--slow``).
 
 Each configuration runs XLA's TPU compiler and Mosaic's passes (:mod:`torch_pallas.tpu_compile`): every
 kernel, the threefry and hardware noise impls (the tiled one in a configuration per kernel family), every dtype the public API accepts, tiny, ragged, 1-D and large
@@ -65,15 +65,17 @@ def compiles(function, *args, generation):
     assert compile_for_tpu(function, *args, generation=generation) is not None
 
 
-# The newest compiler (the libtpu that knows TPU7x) compiles the whole matrix for every
-# generation. torch_xla's libtpu 0.0.21, whose results do not change, compiles it for the
-# newest generation it knows (v6e), and the representative subset below for the others
-# (test_representative_configurations), to keep the xla stack's suite under 10 minutes.
-FULL_GENERATIONS = list(GENERATIONS) if "tpu7x" in GENERATIONS else list(GENERATIONS)[-1:]
+# The whole matrix takes about 200 s per generation on 2 cores, so a suite compiles it for the
+# newest generation only (TPU7x, which only the torchax stack's libtpu knows), and for every other
+# generation the representative subset below (test_representative_configurations): each kernel
+# family with both noise impls, a 16-bit and a 32-bit dtype, shards and masks. The rest of the
+# matrix for those generations is the slow tier.
+FULL_GENERATIONS = [generation for generation in GENERATIONS if generation == "tpu7x"]
 OTHER_GENERATIONS = [generation for generation in GENERATIONS if generation not in FULL_GENERATIONS]
 
 
-@pytest.fixture(params=FULL_GENERATIONS)
+@pytest.fixture(params=[pytest.param(generation, marks=() if generation in FULL_GENERATIONS else pytest.mark.slow)
+                        for generation in GENERATIONS])
 def generation(request):
     return request.param
 
@@ -204,14 +206,15 @@ def test_indrnn_per_shard_on_a_2x2_topology(generation, nonlinearity):
 # The state and the nonlinearity are computed in float32 whatever the dtype: tanh is compiled
 # with float32 only.
 @pytest.mark.parametrize("nonlinearity,dtype", [("relu", dtype) for dtype in DTYPES] + [("tanh", "float32")])
-def test_indrnn(generation, nonlinearity, dtype):
+def test_indrnn(generation, nonlinearity, dtype, shapes=tuple(RECURRENCE_SHAPES)):
     cases = [(shape, None, False) for shape in RECURRENCE_SHAPES.values()]
     cases.append((RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), False))
     # Per-row lengths (packed sequences): default and forced blocks, whole and partial batch blocks.
     cases += [(RECURRENCE_SHAPES["ragged"], None, True), (RECURRENCE_SHAPES["ragged"], RecurrenceBlocks(8, 8, 128), True),
               (RECURRENCE_SHAPES["large"], None, True)]
     if dtype == "float16":
-        cases = [case for case in cases if case[0] == RECURRENCE_SHAPES[FLOAT16_SHAPE]]
+        shapes = (FLOAT16_SHAPE,)
+    cases = [case for case in cases if case[0] in [RECURRENCE_SHAPES[name] for name in shapes]]
     for (T, B, F), blocks, with_lengths in cases:
         sequence = jax.ShapeDtypeStruct((T, B, F), DTYPES[dtype])
         state = jax.ShapeDtypeStruct((B, F), DTYPES[dtype])
@@ -272,12 +275,14 @@ ATTENTION_CONFIGURATIONS = [("threefry", "bfloat16"), ("threefry", "float16"), (
 
 
 @pytest.mark.parametrize("impl,dtype", ATTENTION_CONFIGURATIONS)
-def test_attention(generation, impl, dtype):
+def test_attention(generation, impl, dtype, names=None):
     """Causal attention with dropout, forward and backward; 2048 tokens in the training dtype,
     197 in float32 (the flash kernels' planes, and several heads per lane column: heads_in_lanes),
     128 (heads_in_lanes) in both."""
-    names = ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197", "197-heads-in-lanes")
-    for name in names + ("128-heads-in-lanes",):
+    if names is None:
+        names = ("ragged", "2048-head-128") if dtype == "bfloat16" else ("ragged", "197", "197-heads-in-lanes")
+        names += ("128-heads-in-lanes",)
+    for name in names:
         query_shape, key_shape = ATTENTION_SHAPES[name]
         query, key = (jax.ShapeDtypeStruct(shape, DTYPES[dtype]) for shape in (query_shape, key_shape))
         compiles(functools.partial(attention_forward_and_backward, dropout_p=0.1, impl=impl, causal=True),
@@ -331,9 +336,9 @@ DROPOUT_MATMUL_CONFIGURATIONS = ATTENTION_CONFIGURATIONS if "tpu7x" in GENERATIO
 
 
 @pytest.mark.parametrize("impl,dtype", DROPOUT_MATMUL_CONFIGURATIONS)
-def test_dropout_matmul(generation, impl, dtype):
+def test_dropout_matmul(generation, impl, dtype, names=tuple(DROPOUT_MATMUL_SHAPES)):
     """The weights given, and (softmax=True) the scores given, whole rows per block."""
-    for name in DROPOUT_MATMUL_SHAPES if dtype != "float16" else ("197",):
+    for name in names if dtype != "float16" else ("197",):
         planes, L, S, Ev = DROPOUT_MATMUL_SHAPES[name]
         weights = jax.ShapeDtypeStruct((planes, L, S), DTYPES[dtype])
         value = jax.ShapeDtypeStruct((planes, S, Ev), DTYPES[dtype])
@@ -343,7 +348,9 @@ def test_dropout_matmul(generation, impl, dtype):
 
 
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,
-# lengths, sharded programs (tensors past 2**32 elements included) and attention's masks.
+# lengths, sharded programs (tensors past 2**32 elements included) and attention's masks. Attention's
+# planes and heads in lanes at 197 tokens are the tiled configurations' (the hardware impl's per-tile
+# paths); tanh differs from relu in the elementwise step only (the ragged shape).
 REPRESENTATIVE = {
     "sampling": lambda generation: (test_sampling(generation, "normal", "float32", "threefry"),
                                     test_sampling(generation, "bernoulli", "bool", "hardware")),
@@ -353,12 +360,15 @@ REPRESENTATIVE = {
     "dropout-per-shard": lambda generation: (test_dropout_per_shard_on_a_2x2_topology(generation, "bfloat16"),
                                              test_hardware_dropout_per_shard_on_a_2x2_topology(generation),
                                              test_dropout_shard_of_more_than_2_32_elements(generation)),
-    "indrnn": lambda generation: (test_indrnn(generation, "relu", "bfloat16"), test_indrnn(generation, "tanh", "float32"),
+    "indrnn": lambda generation: (test_indrnn(generation, "relu", "bfloat16"),
+                                  test_indrnn(generation, "tanh", "float32", ("ragged",)),
                                   test_indrnn_per_shard_on_a_2x2_topology(generation, "relu")),
-    "attention": lambda generation: (test_attention(generation, "hardware", "float32"),
+    "attention": lambda generation: (test_attention(generation, "hardware", "float32",
+                                                    ("ragged", "128-heads-in-lanes")),
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "bool", 1000, 700),
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "float", 197, 197),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
+    "dropout_matmul": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",)),
 }
 
 
@@ -412,11 +422,10 @@ def test_tiled_configurations(generation, kernel):
     TILED_CONFIGURATIONS[kernel](generation)
 
 
-if OTHER_GENERATIONS:  # none when every generation compiles the whole matrix (no empty, skipped test)
-    @pytest.mark.parametrize("kernel", list(REPRESENTATIVE))
-    @pytest.mark.parametrize("generation", OTHER_GENERATIONS)
-    def test_representative_configurations(generation, kernel):
-        REPRESENTATIVE[kernel](generation)
+@pytest.mark.parametrize("kernel", list(REPRESENTATIVE))
+@pytest.mark.parametrize("generation", OTHER_GENERATIONS)
+def test_representative_configurations(generation, kernel):
+    REPRESENTATIVE[kernel](generation)
 
 
 def test_libtpu_refusing_every_topology_raises_its_reason(monkeypatch):
