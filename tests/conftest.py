@@ -81,6 +81,15 @@ def crossed(fast, **axes):
                          marks=() if ids in fast else pytest.mark.slow) for ids in combinations]
 
 
+def covered_on_the_newest_jax(test):
+    """A kernel test that compares two of the library's own kernels (a layout, planes per grid
+    step, a transposed read) rather than a reference: the torchax stack's jax 0.10 runs it in
+    every ``./dev test``, and on older JAX (the xla stack's 0.7.1) it is in the slow tier."""
+    from torch_pallas.kernels import compat
+
+    return pytest.mark.slow(test) if compat.JAX_VERSION < (0, 10) else test
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true",
                      help="also run the slow tier: tests marked slow (long; their checks are covered faster elsewhere)")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src import config as jax_config
 
-from conftest import crossed
+from conftest import covered_on_the_newest_jax, crossed
 from reference import attention_hardware_keep as hardware_keep, attention_threefry_keep as threefry_keep
 from reference import key_data
 from torch_pallas.kernels import attention, dropout, dropout_matmul, heads_in_lanes
@@ -127,6 +127,7 @@ def test_softmax_first_matches_the_reference(impl, shape_w, Ev, blocks, request)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("softmax,impl", crossed({("weights", "tiled"), ("softmax", "threefry")},
                                                  softmax={"weights": False, "softmax": True},
                                                  impl=["threefry", "tiled"]))
@@ -169,6 +170,7 @@ def test_softmax_first_needs_whole_rows_that_fit():
                                               p=0.1, interpret=True, softmax=True)
 
 
+@covered_on_the_newest_jax
 def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatch):
     weights, value, grad_out = _case((3, 24, 40), 8, jnp.float32)  # (40, 8) value planes: read as (8, 40)
     problem = attention.weights_problem((3,), 24, 40, 8)
@@ -188,6 +190,7 @@ def test_the_value_read_transposed_gives_the_same_results_to_rounding(monkeypatc
 
 
 # Every pair of the softmax and the impl; each layout with one or two of them.
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("layout,softmax,impl", crossed(
     {("4-heads-a-column", "weights", "tiled"), ("4-heads-a-column", "softmax", "threefry"),
      ("2-heads-a-column", "weights", "threefry"), ("vit-197", "softmax", "tiled")},
