@@ -184,7 +184,9 @@ HEADS_IN_LANES = {"sdpa": (heads_in_lanes, ("forward", "backward"), {}),
                   "eager": (heads_in_lanes, ("forward", "backward"), {"fuse_matmul": True})}
 
 
-@pytest.mark.parametrize("attention", HEADS_IN_LANES)
+# Eager attention's route to these kernels is checked faster in tests/test_residual_fusion.py (BERT's
+# layers, and eager attention in lanes at torch level): the eager model here is in the slow tier.
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_bert_over_128_tokens_runs_its_attention_with_heads_in_lanes_and_trains(monkeypatch, attention):
     """docs/transformers.md, Routing: BERT's sdpa attention over 128 tokens (head dim 64, a padding
     mask, the same for every head) runs kernels.heads_in_lanes forward and backward, and learns;
