@@ -384,6 +384,13 @@ def _compiles_tiled_dropout(generation):
              *[jax.ShapeDtypeStruct(VIT_ROWS, jnp.bfloat16)] * 2, generation=generation)
 
 
+def _compiles_tiled_weights_in_lanes(generation, batch, length):
+    """Eager attention's softmax, dropout and product over 12 heads of length x length weights."""
+    compiles(functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
+             jax.ShapeDtypeStruct((batch, 12, length, length), jnp.float32),
+             jax.ShapeDtypeStruct((batch, 12, length, 64), jnp.float32), generation=generation)
+
+
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
 # ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn), several heads per lane column (BERT's
@@ -411,10 +418,8 @@ TILED_CONFIGURATIONS = {
         functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
         *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
         generation=generation),
-    **{f"dropout_matmul-heads-in-lanes-{L}": functools.partial(lambda generation, B, L: compiles(
-        functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,
-        *(jax.ShapeDtypeStruct((B, 12, L, L), jnp.float32), jax.ShapeDtypeStruct((B, 12, L, 64), jnp.float32)),
-        generation=generation), B=B, L=L) for B, L in ((8, 128), (2, 197))},
+    "dropout_matmul-heads-in-lanes-128": lambda generation: _compiles_tiled_weights_in_lanes(generation, 8, 128),
+    "dropout_matmul-heads-in-lanes-197": lambda generation: _compiles_tiled_weights_in_lanes(generation, 2, 197),
 }
 TILED_ON_THE_NEWEST_ONLY = ("attention-heads-in-lanes-197", "dropout_matmul-heads-in-lanes-128")
 
