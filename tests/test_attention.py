@@ -99,6 +99,43 @@ def test_16_bit_inputs_are_close_to_float32(dtype):
     assert all(grad.dtype == dtype and torch.isfinite(grad.float()).all() for grad in grads)
 
 
+@pytest.mark.parametrize("case", ["bool-mask", "heads-in-lanes-causal"])
+def test_float32_operands_go_to_kernels_compiled_for_tpu_as_bfloat16_and_are_saved_so(case, monkeypatch):
+    """Where the kernels are compiled for a TPU their products round float32 operands to
+    bfloat16 (kernels/attention.py), so query, key and value reach them rounded and the backward
+    pass keeps the bfloat16 copies; output and gradients stay float32. Here the interpret-mode
+    kernels stand in for the compiled ones: their result is torch's float64 attention of the
+    rounded operands, within the bfloat16 rounding of the weights before their product."""
+    from torch_pallas import bridge
+
+    monkeypatch.setattr(bridge, "compiles_for_tpu", lambda tensor: True)
+    shapes, options = CASES[case]
+    options = {name: value() if callable(value) else value for name, value in options.items()}
+    tensors = operands(*shapes)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor.dtype) or tensor, lambda t: t):
+        out = torch_pallas.scaled_dot_product_attention(
+            *tensors, **{name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+                         for name, value in options.items()})
+    assert saved[:3] == [torch.bfloat16] * 3 and out.dtype == torch.float32
+    grads = gradients(out, tensors)
+    assert all(grad.dtype == torch.float32 for grad in grads)
+    rounded = [t.detach().cpu().to(torch.bfloat16).double().requires_grad_() for t in tensors]
+    expected = F.scaled_dot_product_attention(*rounded, **options)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=1e-2, rtol=1e-2)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).double()
+    for mine, wanted in zip(grads, torch.autograd.grad((expected * weights).sum(), rounded)):
+        torch.testing.assert_close(mine.cpu().double(), wanted, atol=3e-2, rtol=2e-2)
+
+
+def test_float32_operands_stay_float32_in_interpret_mode():
+    tensors = operands((2, 2, 24, 16), (2, 2, 40, 16), (2, 2, 40, 16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor.dtype) or tensor, lambda t: t):
+        torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.1, seed=1)
+    assert saved[:3] == [torch.float32] * 3
+
+
 def bad(**changes):
     query, key, value = (torch.zeros(2, 2, 8, 4, device=DEVICE) for _ in range(3))
     arguments = dict(query=query, key=key, value=value)

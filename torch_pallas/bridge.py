@@ -415,6 +415,14 @@ def lowers_for_tpu() -> bool:
     return _lowering_for_tpu or on_tpu()
 
 
+def compiles_for_tpu(tensor: torch.Tensor) -> bool:
+    """Whether kernels applied to ``tensor`` are compiled for a TPU (Mosaic) rather than run in
+    interpret mode: always on TorchTPU's ``tpu`` tensors, under :func:`lowers_for_tpu` on XLA
+    and torchax tensors, never on CPU tensors (what each front end's ``call`` does)."""
+    front = FRONT_ENDS.get(tensor.device.type)
+    return front == "torchtpu" or (front in ("xla", "torchax") and lowers_for_tpu())
+
+
 def interpret_mode() -> bool:
     """Whether kernels on accelerator tensors run in Pallas's interpret mode (the opposite of
     :func:`lowers_for_tpu`). CPU tensors always do."""

@@ -259,6 +259,16 @@ def attention_forward_and_backward(key_data, query, key, value, *bias, **options
     return out, pullback(out)
 
 
+def rounded_attention_forward_and_backward(key_data, query, key, value, *bias, **options):
+    """The forward and backward kernels as the ops run float32 attention compiled for a TPU
+    (``ops.attention.bfloat16_operands``): bfloat16 operands, float32 output and gradients."""
+    operands = [operand.astype(jnp.bfloat16) for operand in (query, key, value)]
+    out, lse = attention.attention_forward(key_data, *operands, *bias or (None,), interpret=False,
+                                           result_dtype=query.dtype, **options)
+    return out, attention.attention_backward(key_data, *operands, out, lse, out, *bias or (None,), interpret=False,
+                                             **options)
+
+
 # (L, S, head dim) x heads: ragged lengths, ViT-B/16's 197 patches (3 heads of 64 are not whole
 # lane columns: the flash kernels, every block all of L, the planes in one grid step; 4 heads run
 # heads_in_lanes, lengths that are not whole tiles), and 2048 tokens with the default blocks at
@@ -394,8 +404,8 @@ def _compiles_tiled_weights_in_lanes(generation, batch, length):
 # One configuration per kernel family with impl="tiled", for every generation: its layouts (rows,
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
 # ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn), several heads per lane column (BERT's
-# 128 tokens with a padding mask, ViT-B/16's 12 heads of 197), and eager attention's weights (the
-# same). Heads in lanes at one length per kernel on every generation (attention's 128, the weights'
+# 128 tokens with a padding mask, ViT-B/16's 12 heads of 197; float32 attention as the ops give it
+# to kernels compiled for a TPU: rounded to bfloat16), and eager attention's weights (the same). Heads in lanes at one length per kernel on every generation (attention's 128, the weights'
 # 197), and at the other on the newest generation each libtpu knows; the rest in the slow tier.
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
@@ -405,14 +415,14 @@ TILED_CONFIGURATIONS = {
     "dropout-per-shard": lambda generation: test_hardware_dropout_per_shard_on_a_2x2_topology(
         generation, "tiled", HARDWARE_SHARDED_NOISE[-1:]),
     "attention": lambda generation: compiles(
-        functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
+        functools.partial(rounded_attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
         *[jax.ShapeDtypeStruct(ATTENTION_SHAPES["197"][0], jnp.float32)] * 3, generation=generation),
     "attention-heads-in-lanes-128": lambda generation: compiles(
-        functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
+        functools.partial(rounded_attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
         *[jax.ShapeDtypeStruct((8, 12, 128, 64), jnp.float32)] * 3, jax.ShapeDtypeStruct((8, 1, 1, 128), jnp.bool_),
         generation=generation),
     "attention-heads-in-lanes-197": lambda generation: compiles(
-        functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
+        functools.partial(rounded_attention_forward_and_backward, dropout_p=0.1, impl="tiled"), KEY,
         *[jax.ShapeDtypeStruct((2, 12, 197, 64), jnp.float32)] * 3, generation=generation),
     "dropout_matmul": lambda generation: compiles(
         functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="tiled", softmax=True), KEY,

@@ -57,6 +57,28 @@ def test_output_and_gradients_equal_torchs_on_the_cpu(case):
         torch.testing.assert_close(cpu(mine), wanted, atol=5e-6, rtol=1e-5)
 
 
+def test_float32_operands_go_to_kernels_compiled_for_tpu_as_bfloat16_and_are_saved_so(monkeypatch):
+    """tests/test_attention.py's test of the same name, on torchax: float32 query, key and value
+    reach kernels compiled for a TPU (interpret mode standing in) as bfloat16, saved so."""
+    from torch_pallas import bridge
+
+    monkeypatch.setattr(bridge, "compiles_for_tpu", lambda tensor: True)
+    tensors = operands((2, 2, 128, 64), (2, 2, 128, 64), (2, 2, 128, 64))
+    ours = [on_jax(t.detach()) for t in tensors]
+    saved = []
+    with ENV, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        out = torch_pallas.scaled_dot_product_attention(*ours, is_causal=True)
+    with ENV:
+        grads = torch.autograd.grad((out * on_jax(weights_for(out), grad=False)).sum(), ours)
+    assert saved[:3] == [torch.bfloat16] * 3
+    assert out.dtype == torch.float32 and all(grad.dtype == torch.float32 for grad in grads)
+    rounded = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in tensors]
+    expected = F.scaled_dot_product_attention(*rounded, is_causal=True)
+    torch.testing.assert_close(cpu(out).double(), expected, atol=1e-2, rtol=1e-2)
+    for mine, wanted in zip(grads, torch.autograd.grad((expected * weights_for(expected).double()).sum(), rounded)):
+        torch.testing.assert_close(cpu(mine).double(), wanted, atol=3e-2, rtol=2e-2)
+
+
 def written_out(query, key, value, dropout_p, seed):
     """Attention with torch_pallas.dropout on the weights (causal)."""
     scores = query @ key.transpose(-2, -1) / query.shape[-1] ** 0.5

@@ -27,30 +27,36 @@ def test_attention_dispatches_its_op_and_returns_a_tpu_tensor(fake, dtype):
         check_on_tpu(out, QUERY, dtype)
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_attention_kernels_return_their_outputs_through_torchtpu_jax_ops(fake, masked):
-    """Forward: (output, float32 log-sum-exp); backward: [grad q, k, v]."""
-    query, key, value = _qkv(torch.bfloat16)
+@pytest.mark.parametrize("masked, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32)])
+def test_attention_kernels_return_their_outputs_through_torchtpu_jax_ops(fake, masked, dtype):
+    """Forward: (output, float32 log-sum-exp, the operands the backward reads: float32 ones
+    rounded to bfloat16 on a TPU, else none); backward: [grad q, k, v] in the output's dtype."""
+    query, key, value = _qkv(dtype)
+    rounded = attention_op.bfloat16_operands(query)
+    assert rounded == (dtype == torch.float32)
     mask = torch.ones(1, 1, 128, 128, device="tpu", dtype=torch.bool) if masked else None
     key_data = torch_pallas.seeds.key_data(seed=3, device="tpu")
     options = (0.1, "threefry", not masked, 0.125, False)
-    out, lse = check_kernel_op(attention_op._compute_attention, (query, key, value, mask, key_data, *options, None,
-                                                                 None), "attention_forward",
-                               [(QUERY, torch.bfloat16), (LSE, torch.float32)])
-    check_kernel_op(attention_op._compute_attention_backward, (out, query, key, value, mask, out, lse, key_data,
-                                                               *options, None, False),
-                    "attention_backward", [(QUERY, torch.bfloat16)] * 3)
+    saved = [(QUERY, torch.bfloat16) if rounded else ((0,), dtype)] * 3
+    out, lse, *operands = check_kernel_op(attention_op._compute_attention, (
+        query, key, value, mask, key_data, *options, None, None, rounded), "attention_forward",
+        [(QUERY, dtype), (LSE, torch.float32), *saved])
+    check_kernel_op(attention_op._compute_attention_backward, (
+        out, *(operands if rounded else (query, key, value)), mask, out, lse, key_data, *options, None, False),
+        "attention_backward", [(QUERY, dtype)] * 3)
 
 
 def test_attention_backward_formula_dispatches_its_backward_with_the_forward_key(fake):
     query, key, value = _qkv()
     key_data = torch_pallas.seeds.key_data(seed=5, device="tpu")
-    inputs = (query, key, value, None, key_data, 0.25, "threefry", True, 0.125, False, None, None, None)
+    inputs = (query, key, value, None, key_data, 0.25, "threefry", True, 0.125, False, None, None, True, None)
     output = attention_op.attention(*inputs)
     (grad_q, grad_k, grad_v, *no_grads), args = check_formula_dispatches(
         attention_op._setup_context, attention_op._backward, inputs, output,
         (torch.randn(QUERY, device="tpu"), None), "torch_pallas::attention_backward")
     assert args[7] is key_data and args[8:10] == (0.25, "threefry")
+    # A float32 forward on a TPU saved its operands rounded (attention_op.bfloat16_operands).
+    assert [operand.dtype for operand in args[1:4]] == [torch.bfloat16] * 3
     for grad in (grad_q, grad_k, grad_v):
         check_on_tpu(grad, QUERY, torch.float32)
     assert all(grad is None for grad in no_grads)

@@ -37,7 +37,11 @@ Shapes and semantics are torch's ``scaled_dot_product_attention``: ``query (*bat
 mask made ``0``/``-inf``) broadcast to ``(*batch, L, S)``, and a row whose every score is
 ``-inf`` gives zeros (torch's safe softmax), forward and backward. float16 is computed in
 float32 (Mosaic has no float16); bfloat16 feeds the matrix unit in bfloat16 and accumulates
-in float32.
+in float32. The products run at Mosaic's default precision, which on a TPU is one bfloat16
+pass of the matrix unit for float32 operands too (XLA's default on TPU): libtpu schedules such
+a product in the bundles of a bfloat16 one, and ``Precision.HIGHEST`` in about six times as
+many. So float32 operands may come rounded to bfloat16 with float32 results
+(``result_dtype``), which loses nothing on a TPU and halves what the backward pass keeps.
 """
 
 from __future__ import annotations
@@ -842,7 +846,7 @@ def _check_options(dropout_p, impl, interpret):
 def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: float = 0.0,
                       impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
                       gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
-                      global_shape=None, shard_offset=None):
+                      global_shape=None, shard_offset=None, result_dtype=None):
     """The attention output and the float32 row log-sum-exp ``(*batch, L)`` (``inf`` for a
     row that attends to nothing) the backward pass needs; see the module docstring.
 
@@ -864,11 +868,14 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
             passes the sharding's rank), split along batch dims only; ``shard_offset``, int32
             ``(2,)`` ``[high, low]``, is the flat batch index of the shard's first element.
             Each shard draws its part of the whole tensor's mask.
+        result_dtype: the output's dtype (default query's): float32 for bfloat16 operands
+            rounded from float32 ones (the ops' ``bfloat16_operands``).
 
     Returns:
-        ``(output (*batch, L, Ev) in query's dtype, log-sum-exp (*batch, L) float32)``.
+        ``(output (*batch, L, Ev) in result_dtype, log-sum-exp (*batch, L) float32)``.
     """
     dropout_p = _check_options(dropout_p, impl, interpret)
+    result_dtype = query.dtype if result_dtype is None else jnp.dtype(result_dtype)
     problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
     scale = 1.0 / math.sqrt(problem.E) if scale is None else scale
     if query.dtype == jnp.float16:
@@ -879,7 +886,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     if _heads_in_lanes().takes(query.shape, key.shape, value.shape, bias=bias, gqa=gqa, blocks=blocks,
                                global_shape=global_shape, causal=causal):
         return _heads_in_lanes().forward(key_data, query, key, value, bias, dropout_p=dropout_p, impl=impl,
-                                         causal=causal, scale=scale, interpret=interpret)
+                                         causal=causal, scale=scale, interpret=interpret, result_dtype=result_dtype)
     static = resolve_static(problem, blocks, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                      interpret=interpret, backward=False, global_shape=global_shape)
     blocks = static.blocks
@@ -889,7 +896,7 @@ def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: floa
     grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_index = lambda b, i, j: (b, i, 0)  # noqa: E731
     words = noise_words(key_data, impl, shard_offset)
-    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), query.dtype),
+    out_shape = [jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), result_dtype),
                  jax.ShapeDtypeStruct((problem.size, L_padded // blocks.q, 1, blocks.q), jnp.float32)]
     walk = BlockWalk.of(static, *grid[1:], kv_major=False)
     out, lse = calls.pallas_call(
@@ -1091,7 +1098,8 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     independent of the forward's: the mask is regenerated, not read.
 
     Returns:
-        ``(grad_query, grad_key, grad_value)``, plus ``grad_bias`` with ``bias_grad``.
+        ``(grad_query, grad_key, grad_value)`` in ``grad_out``'s dtype (the forward's
+        ``result_dtype``), plus ``grad_bias`` in the bias's with ``bias_grad``.
     """
     dropout_p = _check_options(dropout_p, impl, interpret)
     problem = resolve_problem(query.shape, key.shape, value.shape, None if bias is None else bias.shape, gqa=gqa)
@@ -1118,6 +1126,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         return padded(array.reshape(*rows, -1), 1, L_padded)
 
     q, k, v, prepared_bias = _kernel_operands(query, key, value, bias, static, L_padded)
+    result_dtype = grad_out.dtype
     grad_out = per_row(grad_out).astype(jnp.float32)
     delta = jnp.sum(grad_out * per_row(out).astype(jnp.float32), axis=-1)
     # The kernels take the gradient times the kept weights' 1 / (1 - p) (see _key_value_kernel).
@@ -1142,7 +1151,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
     with_query = num_kv == 1
     if with_query:
         out_specs.append(row_spec(problem.E))
-        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), query.dtype))
+        out_shape.append(jax.ShapeDtypeStruct((problem.size, L_padded, problem.E), result_dtype))
         if bias_grad:
             out_specs.append(pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv),
                                           ordered(lambda b, i, j: (b, q_block(i, j), j))))
@@ -1165,12 +1174,12 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
         interpret=interpret,
     )(*operands)
     if not with_query:
-        grads = _query_gradients(static, operands, has_bias, bias_grad, query.dtype, L_padded, S_padded, interpret)
+        grads = _query_gradients(static, operands, has_bias, bias_grad, result_dtype, L_padded, S_padded, interpret)
 
     grad_q = _sum_to(grads[0][:, :problem.L].reshape(*problem.batch, problem.L, problem.E), query.shape)
     grad_k = _sum_to(grad_k[:, :problem.S].reshape(*problem.batch, problem.S, problem.E), key.shape)
     grad_v = _sum_to(grad_v[:, :problem.S].reshape(*problem.batch, problem.S, problem.Ev), value.shape)
-    result = (grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype))
+    result = tuple(grad.astype(result_dtype) for grad in (grad_q, grad_k, grad_v))
     if bias_grad:
         grad_bias = grads[1][:, :problem.L, :problem.S].reshape(*problem.batch, problem.L, problem.S)
         result += (_sum_to(grad_bias, bias.shape).astype(bias.dtype),)

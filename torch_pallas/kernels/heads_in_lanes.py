@@ -224,14 +224,15 @@ def _forward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
             per_head = []
 
 
-def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, scale, interpret):
-    """:func:`attention.attention_forward`'s output and log-sum-exp for a call :func:`takes`."""
+def forward(key_data, query, key, value, bias=None, *, dropout_p, impl, causal, scale, interpret, result_dtype):
+    """:func:`attention.attention_forward`'s output (of ``result_dtype``) and log-sum-exp for a call
+    :func:`takes`."""
     plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                 interpret=interpret)
     q, k, v = heads_in_lanes(query), heads_in_lanes(key), heads_in_lanes(value)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
     words = attention.noise_words(key_data, impl, None)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, query.dtype),
+    out_shape = [jax.ShapeDtypeStruct(q.shape, result_dtype),
                  jax.ShapeDtypeStruct((plan.B, plan.H, plan.L), jnp.float32)]
     out, lse = calls.pallas_call(
         functools.partial(_forward_kernel, plan=plan),
@@ -270,7 +271,7 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
             # The kept weights' 1 / (1 - p) on the gradient: a dropped weight is then a select.
             grad_out = (grad_out.astype(jnp.float32)
                         * attention.kept_scale(static.impl, static.dropout_p)).astype(grad_out.dtype)
-        grad_p = lax.dot_general(jnp.where(mine, grad_out, zero), v, (((1,), (1,)), ((), ())),
+        grad_p = lax.dot_general(jnp.where(mine, grad_out.astype(v.dtype), zero), v, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         dropped = p
         if static.dropout_p:
@@ -292,15 +293,16 @@ def _backward_kernel(key_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
 
 def backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p, impl, causal, scale,
              interpret):
-    """:func:`attention.attention_backward`'s query, key and value gradients for a call :func:`takes`
-    (a mask gets none)."""
+    """:func:`attention.attention_backward`'s query, key and value gradients (in ``grad_out``'s dtype)
+    for a call :func:`takes` (a mask gets none)."""
     plan = Plan(query.shape, key.shape, bias, dropout_p=dropout_p, impl=impl, causal=causal, scale=scale,
                 interpret=interpret)
     masks = [] if bias is None else [plan.bias(bias, query.dtype)]
-    q, k, v, o, g = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value, out, grad_out))
+    q, k, v = (heads_in_lanes(x.astype(query.dtype)) for x in (query, key, value))
+    o, g = (heads_in_lanes(x.astype(grad_out.dtype)) for x in (out, grad_out))
     words = attention.noise_words(key_data, impl, None)
     lse = lse.astype(jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (q, k, v)]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, grad_out.dtype) for x in (q, k, v)]
     grad_q, grad_k, grad_v = calls.pallas_call(
         functools.partial(_backward_kernel, plan=plan),
         name=plan.kernel_name("dqkv"),

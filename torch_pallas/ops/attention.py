@@ -1,6 +1,8 @@
 """``torch_pallas::attention`` and its backward: flash attention with dropout as
-differentiable ops. The forward saves its output, the float32 row log-sum-exp and the 8-byte
-key; the backward kernels recompute the probabilities and regenerate the mask.
+differentiable ops. The forward saves query, key, value, its output, the float32 row
+log-sum-exp and the 8-byte key; the backward kernels recompute the probabilities and
+regenerate the mask. Where the kernels are compiled for a TPU, float32 query, key and value
+reach them rounded to bfloat16 (:func:`bfloat16_operands`) and are saved so.
 
 :func:`apply` is the differentiable entry point (autograd, ``torch.func``'s reverse-mode
 transforms, ``torch.compile``).
@@ -61,6 +63,18 @@ def shard_dims(sharding: Sharding, query, key, value, attn_mask, mask_grad: bool
     return batch_dims, mask
 
 
+def bfloat16_operands(query: torch.Tensor) -> bool:
+    """Whether attention on ``query`` gives the kernels its float32 query, key and value
+    rounded to bfloat16, with float32 results: where the kernels are compiled for a TPU
+    (:func:`torch_pallas.bridge.compiles_for_tpu`). Their matrix products round float32
+    operands to bfloat16 there anyway (Mosaic's default precision, one pass of the matrix unit:
+    :mod:`torch_pallas.kernels.attention`), as XLA's do at torch_xla's default precision, so
+    the rounding costs no accuracy, and the backward pass keeps half the bytes: torch's own
+    attention on a TPU keeps bfloat16 copies of them too. In interpret mode the products are
+    float32 and the operands stay float32."""
+    return query.dtype == torch.float32 and bridge.compiles_for_tpu(query)
+
+
 def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, output_ranks, **static):
     """``kernel(key_data, query, key, value, *extra, attn_mask, **static)`` on the whole tensors,
     or with ``sharding_text`` per shard of query's sharding, each shard with the noise of its
@@ -84,16 +98,25 @@ def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, 
 def _compute_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
                blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-                       sharding_text: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, float32 row log-sum-exp ``(*batch, L)``) of
-    :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked, shapes not
-    empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward and the
-    backward kernels, or ``None`` for the default; the mask depends on neither.
+                       rounded: bool = False, sharding_text: Optional[str] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, float32 row log-sum-exp ``(*batch, L)``, the query, key and value the backward
+    pass reads) of :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked,
+    shapes not empty. ``blocks`` / ``backward_blocks``: (q, kv) rows per block of the forward
+    and the backward kernels, or ``None`` for the default; the mask depends on neither.
+    ``rounded`` (:func:`bfloat16_operands`): float32 query, key and value go to the kernels as
+    bfloat16, returned as the last three outputs, and the output is float32; without it those
+    outputs are empty (an op returns no input: the inputs themselves are saved).
     ``sharding_text``: the text of query's :class:`~torch_pallas.sharding.Sharding` over batch
     dims; each device runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
-    return _call(attention_kernels.attention_forward, sharding_text, key_data, query, key, value, (), attn_mask,
-                 (query.dim(), query.dim() - 1), dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
-                 gqa=enable_gqa, blocks=_blocks(blocks))
+    operands = (query, key, value)
+    if rounded:
+        operands = tuple(operand.to(torch.bfloat16) for operand in operands)
+    out, lse = _call(attention_kernels.attention_forward, sharding_text, key_data, *operands, (), attn_mask,
+                     (query.dim(), query.dim() - 1), dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
+                     gqa=enable_gqa, blocks=_blocks(blocks), result_dtype="float32" if rounded else None)
+    saved = operands if rounded else tuple(query.new_empty(0) for _ in operands)
+    return out, lse, *saved
 
 
 def output_shapes(query, key, value, attn_mask, enable_gqa):
@@ -107,9 +130,12 @@ attention = torch.library.custom_op("torch_pallas::attention", _compute_attentio
 
 
 @attention.register_fake
-def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, *blocks):
+def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, blocks, backward_blocks,
+      rounded=False, sharding_text=None):
     out_shape, lse_shape = output_shapes(query, key, value, attn_mask, enable_gqa)
-    return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
+    saved = ((operand.new_empty(operand.shape, dtype=torch.bfloat16) if rounded else query.new_empty(0))
+             for operand in (query, key, value))
+    return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32), *saved
 
 
 def _compute_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -117,8 +143,9 @@ def _compute_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key
                         key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
                         enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
                                 sharding_text: Optional[str] = None) -> list[torch.Tensor]:
-    """Gradients of :func:`attention` for query, key and value, and with ``mask_grad`` for a
-    float ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
+    """Gradients of :func:`attention` for query, key and value (of ``grad_out``'s dtype: float32
+    for the bfloat16 ones a rounded forward saved), and with ``mask_grad`` for a float
+    ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
     return list(_call(attention_kernels.attention_backward, sharding_text, key_data, query, key, value,
                       (out, lse, grad_out), attn_mask, (query.dim(),) * 3, dropout_p=dropout_p, impl=impl,
                       causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks), bias_grad=mask_grad))
@@ -132,27 +159,28 @@ attention_backward = _autograd.direct(attention_backward_op, _compute_attention_
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, impl, is_causal, scale, enable_gqa,
       blocks, mask_grad, sharding_text=None):
-    grads = [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+    grads = [torch.empty_like(operand, dtype=grad_out.dtype) for operand in (query, key, value)]
     return grads + ([torch.empty_like(attn_mask)] if mask_grad else [])
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _,
-     backward_blocks) = inputs[:12]
-    out, lse = output
+     backward_blocks, rounded, ctx.sharding_text) = inputs
+    out, lse, *saved = output
     ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
-    ctx.sharding_text = inputs[-1]
+    if rounded:
+        query, key, value = saved
     # What the backward recomputes from: no L x S matrix, the mask from its 8-byte key.
     ctx.save_for_backward(query, key, value, attn_mask, out, lse, key_data)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, *unused_grads):
     query, key, value, attn_mask, out, lse, key_data = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     grads = attention_backward(grad_out.contiguous(), query, key, value, attn_mask, out, lse, key_data,
                                *ctx.options, mask_grad, ctx.sharding_text)
     grad_mask = grads[3] if mask_grad else None
-    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None
+    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None, None
 
 
 _apply = _autograd.differentiable(attention, _compute_attention, public_name="torch_pallas.scaled_dot_product_attention",
@@ -164,7 +192,8 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
           blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
           sharding_text: Optional[str] = None) -> torch.Tensor:
     """The output of :func:`attention`, differentiable under autograd, ``torch.func``'s
-    reverse-mode transforms and ``torch.compile``."""
+    reverse-mode transforms and ``torch.compile``; float32 operands rounded where
+    :func:`bfloat16_operands` says."""
     if attn_mask is not None and torch.compiler.is_compiling():
         # The mask is saved for the backward pass. Models hand every layer a no-op view of
         # one mask (transformers slices it to the key length), and torch_xla 2.9's dynamo
@@ -172,6 +201,5 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         # every later output (a compiled GPT-2 returned its logits as the loss). An op per
         # call gives each layer's saved mask its own value.
         attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
-    out, _ = _apply(query, key, value, attn_mask, key_data, dropout_p, impl,
-                    is_causal, scale, enable_gqa, blocks, backward_blocks, sharding_text)
-    return out
+    return _apply(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, blocks,
+                  backward_blocks, bfloat16_operands(query), sharding_text)[0]
