@@ -37,7 +37,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Args:
         query (Tensor): ``(*batch, L, E)``; float32, bfloat16 or float16 (computed in float32
-            in the kernels), on a device torch_pallas runs on (:ref:`devices`).
+            in the kernels), on a device torch_pallas runs on (:ref:`devices`). The matrix
+            products take bfloat16 operands on a TPU, float32 ones rounded (Mosaic's default
+            precision, as XLA's at torch_xla's default): there float32 query, key and value
+            reach the kernels rounded and the backward pass keeps them so, half the bytes; the
+            output and gradients stay float32. In interpret mode (CPU) float32 throughout.
         key (Tensor): ``(*batch, S, E)``, query's dtype and device; batch dims broadcast.
         value (Tensor): ``(*batch, S, Ev)``, likewise.
         attn_mask (Tensor, optional): broadcastable to ``(*batch, L, S)``: boolean (True
