@@ -405,8 +405,9 @@ def _compiles_tiled_weights_in_lanes(generation, batch, length):
 # lanes, rows rounded up), 32-bit draws for sampling, a shard, attention's planes of 197 x 197
 # ((200, 256) tiles, cut: four slabs of 56 rows, 224 drawn), several heads per lane column (BERT's
 # 128 tokens with a padding mask, ViT-B/16's 12 heads of 197; float32 attention as the ops give it
-# to kernels compiled for a TPU: rounded to bfloat16), and eager attention's weights (the same). Heads in lanes at one length per kernel on every generation (attention's 128, the weights'
-# 197), and at the other on the newest generation each libtpu knows; the rest in the slow tier.
+# to kernels compiled for a TPU: rounded to bfloat16), and eager attention's weights (the same).
+# Heads in lanes at one length per kernel on every generation (attention's 128, the weights' 197),
+# and at the other on the newest generation each libtpu knows; the rest in the slow tier.
 TILED_CONFIGURATIONS = {
     "sampling": lambda generation: compiles(
         functools.partial(sampling.normal, shape=ELEMENTWISE_SHAPES["large"], impl="tiled", interpret=False), KEY,
