@@ -136,3 +136,14 @@ def test_cpu_tensors_are_routed_as_converted_modules_run_them():
     assert torch.equal(routed, torch_pallas.dropout(x.detach(), 0.3)) and torch.equal(routed, converted.detach())
     converted.sum().backward()
     assert torch.equal(x.grad != 0, converted.detach() != 0)
+
+
+def test_fusing_scopes_leave_meta_tensors_to_torch():
+    """A model built or shape-checked on the meta device inside a fusing scope: its products,
+    scalings, selections, fills and adds are torch's (torch_pallas runs on no meta tensor)."""
+    q = torch.empty(2, 3, 16, 8, device="meta")
+    with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
+        scores = torch.where(torch.ones(16, 16, dtype=torch.bool, device="meta"),
+                             q @ q.transpose(-1, -2) / torch.full([], 8.0, device="meta"), float("-inf"))
+        out = F.dropout(F.softmax(scores + scores, dim=-1), 0.5) @ q
+    assert out.shape == (2, 3, 16, 8) and out.device.type == "meta"

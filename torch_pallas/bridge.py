@@ -284,8 +284,10 @@ def runs_on(device: torch.device) -> bool:
 def runs_lazily(tensor: torch.Tensor) -> bool:
     """Whether ops on ``tensor`` (on a device torch_pallas runs on) are recorded to run later,
     so that one whose result nothing reads never runs: torch_xla's lazy tensors (not in its
-    eager mode), torchax tensors inside a JAX trace; never CPU tensors."""
-    return front_end(device_of(tensor).type).runs_lazily(tensor)
+    eager mode), torchax tensors inside a JAX trace; never CPU tensors, nor tensors of a
+    device torch_pallas does not run on (``meta``, CUDA)."""
+    front = front_end(device_of(tensor).type)
+    return front is not None and front.runs_lazily(tensor)
 
 
 def device_or_default(device=None) -> torch.device:

@@ -141,17 +141,29 @@ def remembered_softmax(func, args, kwargs) -> torch.Tensor:
 
 # ``scores * c``, ``c * scores`` (both reach a mode as ``Tensor.mul(scores, c)``), ``scores / c``.
 SCALINGS = {torch.mul: False, torch.Tensor.mul: False, torch.div: True, torch.Tensor.div: True}
+# ``torch.where(keep, scores, fill)`` and ``scores.masked_fill(dropped, fill)``: scores masked
+# with a fill below any score (GPT-2's eager attention, hand-written ones).
+SELECTIONS = {torch.where: inspect.signature(lambda condition, input, other, *, out=None: None),
+              torch.Tensor.masked_fill: inspect.signature(lambda input, mask, value: None)}
 _SCORES_OF = "_torch_pallas_scores_of"
+# ``torch.full((), c)``: a number as a 0-dim tensor (GPT-2's eager attention divides its scores
+# by one and masks them with another).
+_FULL_SIGNATURE = inspect.signature(lambda size, fill_value, *, out=None, dtype=None, layout=None, device=None,
+                                    pin_memory=False, requires_grad=False: None)
+_NUMBER_OF = "_torch_pallas_number_of"
 
 
 class AttentionScores(NamedTuple):
     """Attention scores as :func:`torch_pallas.scaled_dot_product_attention` computes them:
-    ``query @ key_transposed * scale + mask``."""
+    ``query @ key_transposed * scale + mask``. ``mask_selects``: the mask holds only 0 and a
+    fill so low that adding a score leaves it (a selection's); a mask added after it joins it
+    without changing a result."""
 
     query: torch.Tensor
     key_transposed: torch.Tensor
     scale: float = 1.0
     mask: torch.Tensor | None = None
+    mask_selects: bool = False
 
     def sources(self) -> tuple[torch.Tensor, ...]:
         return (self.query, self.key_transposed) + (() if self.mask is None else (self.mask,))
@@ -169,16 +181,44 @@ class AttentionScores(NamedTuple):
                                    is_causal=False, scale=self.scale, enable_gqa=False)
 
 
-def remembered_scores(func, args, kwargs) -> torch.Tensor:
-    """``func(*args, **kwargs)`` (one of :data:`MATMULS`, :data:`SCALINGS` or :data:`ADDS`);
-    on tensors that run lazily, a step of eager attention's scores remembers the
-    :class:`AttentionScores` it makes, so that a routed dropout of their softmax and its
-    product with a value run as one attention (:func:`fused_matmul`). The steps:
-    ``query @ key_transposed`` of one batch shape (``(*batch, L, E) @ (*batch, E, S)``, a
-    float dtype of the kernels), then at most one scaling by a Python number, then at most
-    one added mask of the scores' dtype and device that broadcasts to them (transformers'
-    additive attention mask)."""
+def remembered_number(func, args, kwargs) -> torch.Tensor:
+    """``torch.full(*args, **kwargs)``; on tensors that run lazily, a 0-dim one remembers the
+    number it holds (in its dtype), which :func:`remembered_scores` takes as a Python number's."""
     output = func(*args, **kwargs)
+    try:
+        fill = _FULL_SIGNATURE.bind(*args, **kwargs).arguments["fill_value"]
+    except TypeError:
+        return output
+    if (isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point()
+            and isinstance(fill, numbers.Real) and not isinstance(fill, bool) and bridge.runs_lazily(output)):
+        _remember(output, _NUMBER_OF, (), torch.tensor(fill, dtype=output.dtype).item())
+    return output
+
+
+def _number(value) -> float | None:
+    """``value`` as a number: a Python number's, or a remembered 0-dim ``torch.full``'s."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return _recall(value, _NUMBER_OF)
+
+
+def remembered_scores(func, args, kwargs) -> torch.Tensor:
+    """``func(*args, **kwargs)`` (one of :data:`MATMULS`, :data:`SCALINGS`,
+    :data:`SELECTIONS` or :data:`ADDS`); on tensors that run lazily, a step of eager
+    attention's scores remembers the :class:`AttentionScores` it makes, so that a routed
+    dropout of their softmax and its product with a value run as one attention
+    (:func:`fused_matmul`). The steps: ``query @ key_transposed`` of one batch shape
+    (``(*batch, L, E) @ (*batch, E, S)``, a float dtype of the kernels), then at most one
+    scaling by a number (a Python number, or a 0-dim ``torch.full`` made in the scope), then
+    at most one selection with a boolean mask that broadcasts to them and a fill of ``-inf``
+    or the dtype's lowest number (GPT-2's causal mask), then at most one added mask of the
+    scores' dtype and device that broadcasts to them (transformers' additive attention mask)."""
+    output = func(*args, **kwargs)
+    if func in SELECTIONS:
+        scores = _selected_scores(func, args, kwargs, output)
+        if scores is not None:
+            _remember(output, _SCORES_OF, scores.sources(), scores)
+        return output
     if not (isinstance(output, torch.Tensor) and len(args) == 2 and isinstance(args[0], torch.Tensor)):
         return output
     first, second = args
@@ -190,21 +230,52 @@ def remembered_scores(func, args, kwargs) -> torch.Tensor:
                 and bridge.runs_lazily(first)):
             scores = AttentionScores(first, second)
     elif func in SCALINGS and not kwargs:
-        earlier = _recall(first, _SCORES_OF)
-        if (earlier is not None and earlier.mask is None and isinstance(second, numbers.Real)
-                and not isinstance(second, bool) and second != 0 and output.dtype == first.dtype):
-            factor = 1 / float(second) if SCALINGS[func] else float(second)
+        earlier, number = _recall(first, _SCORES_OF), _number(second)
+        if (earlier is not None and earlier.mask is None and number is not None and number != 0
+                and output.dtype == first.dtype and output.shape == first.shape):
+            factor = 1 / number if SCALINGS[func] else number
             scores = earlier._replace(scale=earlier.scale * factor)
     elif func in ADDS and func is not torch.Tensor.add_ and not kwargs and isinstance(second, torch.Tensor):
         for candidate, mask in ((first, second), (second, first)):
             earlier = _recall(candidate, _SCORES_OF)
-            if (earlier is not None and earlier.mask is None and mask.dtype == candidate.dtype
+            if (earlier is not None and (earlier.mask is None or earlier.mask_selects) and mask.dtype == candidate.dtype
                     and mask.device == candidate.device and output.shape == candidate.shape):
-                scores = earlier._replace(mask=mask)
+                # A selection's 0 leaves the added mask; its fill, plus the added mask, is a
+                # masked score's value (the fill, or -inf) with or without the score.
+                scores = earlier._replace(mask=mask if earlier.mask is None else earlier.mask + mask,
+                                          mask_selects=False)
                 break
     if scores is not None:
         _remember(output, _SCORES_OF, scores.sources(), scores)
     return output
+
+
+def _selected_scores(func, args, kwargs, output) -> AttentionScores | None:
+    """The :class:`AttentionScores` of ``torch.where(keep, scores, fill)`` or
+    ``scores.masked_fill(dropped, fill)`` (:data:`SELECTIONS`) for remembered unmasked
+    scores, a boolean mask that broadcasts to them and a fill of ``-inf`` or the dtype's
+    lowest number: their mask is 0 where a score is kept and the fill elsewhere, which the
+    score plus it is too."""
+    try:
+        call = SELECTIONS[func].bind(*args, **kwargs)
+    except TypeError:
+        return None
+    if func is torch.where:
+        scores, keep, fill = call.arguments["input"], call.arguments["condition"], call.arguments["other"]
+        if call.arguments.get("out") is not None:
+            return None
+    else:
+        scores, keep, fill = call.arguments["input"], call.arguments["mask"], call.arguments["value"]
+    earlier, number = _recall(scores, _SCORES_OF), _number(fill)
+    if not (earlier is not None and earlier.mask is None and isinstance(keep, torch.Tensor)
+            and keep.dtype == torch.bool and keep.device == scores.device and isinstance(output, torch.Tensor)
+            and output.shape == scores.shape and output.dtype == scores.dtype and number is not None
+            and (number == -float("inf") or number <= torch.finfo(scores.dtype).min)):
+        return None
+    if func is not torch.where:
+        keep = ~keep
+    zero, low = (torch.full((), n, dtype=scores.dtype, device=scores.device) for n in (0.0, number))
+    return earlier._replace(mask=torch.where(keep, zero, low), mask_selects=True)
 
 
 def fused_matmul(func, args, kwargs) -> torch.Tensor | None:

@@ -69,8 +69,11 @@ class route_dropout(TorchFunctionMode):
             (computed in float32 and rounded once, whole rows per block: within float32
             rounding of unfused), and only the scores are kept. When the scores are
             ``query @ key.transpose(-2, -1)`` of one batch shape, then at most one ``*`` or
-            ``/`` by a Python number, then at most one added mask of their dtype that
-            broadcasts to them (BERT's and ViT's eager attention), the whole attention runs
+            ``/`` by a number (a Python number or a 0-dim ``torch.full``), then at most one
+            ``torch.where(keep, scores, fill)`` or ``scores.masked_fill(dropped, fill)`` with a
+            boolean mask and a fill of ``-inf`` or the dtype's lowest number, then at most one
+            added mask of their dtype that broadcasts to them (BERT's, ViT's and GPT-2's eager
+            attention), the whole attention runs
             as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
             same mask), and nothing of size ``L x S`` is kept. With ``impl="threefry"``
             the same mask; with ``impl="hardware"`` or ``"tiled"`` the mask is drawn per attention tile
@@ -134,8 +137,11 @@ class route_dropout(TorchFunctionMode):
         elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_matmul(func, args, kwargs)
             return fused if fused is not None else residual_fusion.remembered_scores(func, args, kwargs)
-        elif self.fuse_matmul and func in residual_fusion.SCALINGS and not torch.compiler.is_compiling():
+        elif (self.fuse_matmul and (func in residual_fusion.SCALINGS or func in residual_fusion.SELECTIONS)
+              and not torch.compiler.is_compiling()):
             return residual_fusion.remembered_scores(func, args, kwargs)
+        elif self.fuse_matmul and func is torch.full and not torch.compiler.is_compiling():
+            return residual_fusion.remembered_number(func, args, kwargs)
         elif self.fuse_matmul and func in residual_fusion.SOFTMAXES and not torch.compiler.is_compiling():
             return residual_fusion.remembered_softmax(func, args, kwargs)
         elif func is F.scaled_dot_product_attention and self.attention != "none":
