@@ -79,7 +79,7 @@ ESTIMATOR = "b84cc66"
 # The table marks earlier figures of steps that run the attention kernels until they are measured again.
 BFLOAT16_ATTENTION_OPERANDS = "f973653"
 # Whose eager attention route_dropout runs in the attention kernels (residual_fusion's remembered scores:
-# BERT's, ViT's and, measured so from the commit after 9c74423 on, GPT-2's chains; T5's stays on dropout_matmul).
+# BERT's, ViT's and, from d49cf16 on, GPT-2's chains; T5's stays on dropout_matmul).
 EAGER_ATTENTION_IN_KERNELS = ("bert", "bert-128", "vit", "gpt2", "gpt2-128")
 PATH = RESULTS / "tpu_step.json"
 
