@@ -271,6 +271,10 @@ SCORES_FORMS = {
     "where(causal, q @ k.T / full(c), full(min)) + mask (GPT-2)": lambda q, k, m: torch.where(
         causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
         torch.full([], torch.finfo(q.dtype).min, device=DEVICE)) + m,
+    "GPT-2's, the first 4 keys padding (queries that see no key)": lambda q, k, m: torch.where(
+        causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
+        torch.full([], torch.finfo(q.dtype).min, device=DEVICE)) + m.masked_fill(
+            torch.arange(k.shape[-2]).to(DEVICE) < 4, torch.finfo(q.dtype).min),
     "(q @ k.T * c).masked_fill(~causal, -inf)": lambda q, k, m: (q @ k.transpose(-2, -1) * 0.125).masked_fill(
         ~causal(q, k), float("-inf")),
 }
