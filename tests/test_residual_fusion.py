@@ -267,14 +267,11 @@ def attention_nodes(*tensors) -> int:
 SCORES_FORMS = {
     "q @ k.T / c + mask (BERT)": lambda q, k, m: torch.matmul(q, k.transpose(-1, -2)) / 8.0 + m,
     "q @ k.T * c (ViT)": lambda q, k, m: torch.matmul(q, k.transpose(2, 3)) * 0.125,
-    "mask + q @ k.T": lambda q, k, m: m + q @ k.transpose(-2, -1),
-    "where(causal, q @ k.T / full(c), full(min)) + mask (GPT-2)": lambda q, k, m: torch.where(
-        causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
-        torch.full([], torch.finfo(q.dtype).min, device=DEVICE)) + m,
-    "GPT-2's, the first 4 keys padding (queries that see no key)": lambda q, k, m: torch.where(
-        causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
-        torch.full([], torch.finfo(q.dtype).min, device=DEVICE)) + m.masked_fill(
-            torch.arange(k.shape[-2]).to(DEVICE) < 4, torch.finfo(q.dtype).min),
+    # the mask first; its first 4 keys padding, so that some queries see no key
+    "mask + where(causal, q @ k.T / full(c), full(min)) (GPT-2, padded)": lambda q, k, m: m.masked_fill(
+        torch.arange(k.shape[-2]).to(DEVICE) < 4, torch.finfo(q.dtype).min) + torch.where(
+            causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
+            torch.full([], torch.finfo(q.dtype).min, device=DEVICE)),
     "(q @ k.T * c).masked_fill(~causal, -inf)": lambda q, k, m: (q @ k.transpose(-2, -1) * 0.125).masked_fill(
         ~causal(q, k), float("-inf")),
 }
@@ -283,6 +280,8 @@ SCORES_FORMS = {
 def causal(q, k):
     """Which keys each query sees, causally: key blocks of the longer keys that no query sees."""
     return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril().to(DEVICE)
+
+
 # (batch, L, S, E): flash planes, and heads that fill whole lane columns (heads in lanes).
 ATTENTION_SHAPES = {"planes": ((2, 3), 16, 256, 32), "heads-in-lanes": ((2, 4), 16, 128, 32)}
 
