@@ -272,8 +272,8 @@ SCORES_FORMS = {
         torch.arange(k.shape[-2]).to(DEVICE) < 4, torch.finfo(q.dtype).min) + torch.where(
             causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
             torch.full([], torch.finfo(q.dtype).min, device=DEVICE)),
-    "(q @ k.T * c).masked_fill(~causal, -inf)": lambda q, k, m: (q @ k.transpose(-2, -1) * 0.125).masked_fill(
-        ~causal(q, k), float("-inf")),
+    "(q @ k.T * c).masked_fill(~causal, min)": lambda q, k, m: (q @ k.transpose(-2, -1) * 0.125).masked_fill(
+        ~causal(q, k), torch.finfo(q.dtype).min),
 }
 
 
@@ -335,15 +335,18 @@ def test_eager_attention_in_lanes_with_threefry_has_the_unfused_dropouts_mask():
 
 
 def test_scores_it_cannot_take_are_left_to_the_fused_product():
-    """Scores other than q @ k.T, one scaling by a number, then one added mask of the scores'
-    dtype: the softmax, dropout and product are dropout_matmul's, as before."""
+    """Scores other than q @ k.T, one scaling by a number, one selection with the dtype's
+    lowest number, then one added mask of the scores' dtype: the softmax, dropout and product
+    are dropout_matmul's, as before."""
     q, k, v = integers(2, 3, 16, 32), integers(2, 3, 24, 32), integers(2, 3, 24, 8)
     mask = integers(2, 1, 1, 24)
-    eight, keep = torch.full([], 8.0, device=DEVICE), causal(q, k)
+    eight, keep, lowest = torch.full([], 8.0, device=DEVICE), causal(q, k), torch.finfo(torch.float32).min
     cases = {
         "a tensor's scale made before the scope": lambda: torch.matmul(q, k.transpose(-1, -2)) / eight,
         "a fill above the dtype's lowest": lambda: torch.where(keep, q @ k.transpose(-1, -2), -1e4),
-        "a selection after the mask": lambda: torch.where(keep, q @ k.transpose(-1, -2) + mask, float("-inf")),
+        "a fill of -inf (torch's NaN where a query sees no key)": lambda: (q @ k.transpose(-1, -2)).masked_fill(
+            ~keep, float("-inf")),
+        "a selection after the mask": lambda: torch.where(keep, q @ k.transpose(-1, -2) + mask, lowest),
         "masked, then scaled": lambda: (q @ k.transpose(-1, -2) + mask) / 8.0,
         "masked in place (T5's)": lambda: (q @ k.transpose(-1, -2)).add_(mask),
         "two masks": lambda: q @ k.transpose(-1, -2) + mask + mask,

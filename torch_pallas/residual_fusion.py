@@ -142,7 +142,7 @@ def remembered_softmax(func, args, kwargs) -> torch.Tensor:
 # ``scores * c``, ``c * scores`` (both reach a mode as ``Tensor.mul(scores, c)``), ``scores / c``.
 SCALINGS = {torch.mul: False, torch.Tensor.mul: False, torch.div: True, torch.Tensor.div: True}
 # ``torch.where(keep, scores, fill)`` and ``scores.masked_fill(dropped, fill)``: scores masked
-# with a fill below any score (GPT-2's eager attention, hand-written ones).
+# with the dtype's lowest number (GPT-2's eager attention; transformers' masks).
 SELECTIONS = {torch.where: inspect.signature(lambda condition, input, other, *, out=None: None),
               torch.Tensor.masked_fill: inspect.signature(lambda input, mask, value: None)}
 _SCORES_OF = "_torch_pallas_scores_of"
@@ -210,9 +210,11 @@ def remembered_scores(func, args, kwargs) -> torch.Tensor:
     (:func:`fused_matmul`). The steps: ``query @ key_transposed`` of one batch shape
     (``(*batch, L, E) @ (*batch, E, S)``, a float dtype of the kernels), then at most one
     scaling by a number (a Python number, or a 0-dim ``torch.full`` made in the scope), then
-    at most one selection with a boolean mask that broadcasts to them and a fill of ``-inf``
-    or the dtype's lowest number (GPT-2's causal mask), then at most one added mask of the
-    scores' dtype and device that broadcasts to them (transformers' additive attention mask)."""
+    at most one selection with a boolean mask that broadcasts to them and a fill of the
+    dtype's lowest number (GPT-2's causal mask), then at most one added mask of the scores'
+    dtype and device that broadcasts to them (transformers' additive attention mask). Not a
+    fill of ``-inf``: a query that sees no key gets NaN from torch's softmax, 0 from the
+    attention kernels."""
     output = func(*args, **kwargs)
     if func in SELECTIONS:
         scores = _selected_scores(func, args, kwargs, output)
@@ -240,8 +242,9 @@ def remembered_scores(func, args, kwargs) -> torch.Tensor:
             earlier = _recall(candidate, _SCORES_OF)
             if (earlier is not None and (earlier.mask is None or earlier.mask_selects) and mask.dtype == candidate.dtype
                     and mask.device == candidate.device and output.shape == candidate.shape):
-                # A selection's 0 leaves the added mask; its fill, plus the added mask, is a
-                # masked score's value (the fill, or -inf) with or without the score.
+                # A selection's 0 leaves the added mask; its fill plus the added mask is a
+                # masked score's value (the fill, or -inf where the added mask is low too) with
+                # or without the score.
                 scores = earlier._replace(mask=mask if earlier.mask is None else earlier.mask + mask,
                                           mask_selects=False)
                 break
@@ -253,9 +256,9 @@ def remembered_scores(func, args, kwargs) -> torch.Tensor:
 def _selected_scores(func, args, kwargs, output) -> AttentionScores | None:
     """The :class:`AttentionScores` of ``torch.where(keep, scores, fill)`` or
     ``scores.masked_fill(dropped, fill)`` (:data:`SELECTIONS`) for remembered unmasked
-    scores, a boolean mask that broadcasts to them and a fill of ``-inf`` or the dtype's
-    lowest number: their mask is 0 where a score is kept and the fill elsewhere, which the
-    score plus it is too."""
+    scores, a boolean mask that broadcasts to them and a fill of the dtype's lowest number:
+    their mask is 0 where a score is kept and the fill elsewhere, which the score plus it is
+    too (a query that sees no key: a uniform softmax, as torch's)."""
     try:
         call = SELECTIONS[func].bind(*args, **kwargs)
     except TypeError:
@@ -270,7 +273,7 @@ def _selected_scores(func, args, kwargs, output) -> AttentionScores | None:
     if not (earlier is not None and earlier.mask is None and isinstance(keep, torch.Tensor)
             and keep.dtype == torch.bool and keep.device == scores.device and isinstance(output, torch.Tensor)
             and output.shape == scores.shape and output.dtype == scores.dtype and number is not None
-            and (number == -float("inf") or number <= torch.finfo(scores.dtype).min)):
+            and torch.tensor(number, dtype=scores.dtype).item() == torch.finfo(scores.dtype).min):
         return None
     if func is not torch.where:
         keep = ~keep

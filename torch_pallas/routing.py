@@ -71,7 +71,7 @@ class route_dropout(TorchFunctionMode):
             ``query @ key.transpose(-2, -1)`` of one batch shape, then at most one ``*`` or
             ``/`` by a number (a Python number or a 0-dim ``torch.full``), then at most one
             ``torch.where(keep, scores, fill)`` or ``scores.masked_fill(dropped, fill)`` with a
-            boolean mask and a fill of ``-inf`` or the dtype's lowest number, then at most one
+            boolean mask and the dtype's lowest number (not ``-inf``), then at most one
             added mask of their dtype that broadcasts to them (BERT's, ViT's and GPT-2's eager
             attention), the whole attention runs
             as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
