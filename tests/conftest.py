@@ -81,6 +81,16 @@ def crossed(fast, **axes):
                          marks=() if ids in fast else pytest.mark.slow) for ids in combinations]
 
 
+def read_together(*groups) -> list:
+    """Each group of the torch_xla stack's lazy tensors on the CPU, all computed by one graph: read
+    one at a time, each tensor compiles a graph of its own, with every interpret-mode kernel it
+    needs in it."""
+    import torch_xla
+
+    torch_xla.sync()
+    return [[tensor.cpu() for tensor in group] for group in groups]
+
+
 def covered_on_the_newest_jax(test):
     """A kernel test that compares two of the library's own kernels (a layout, planes per grid
     step, a transposed read) rather than a reference: the torchax stack's jax 0.10 runs it in
@@ -96,6 +106,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The longest tests first: the workers' short tests then fill in around them, where one left
+    # for last keeps one worker busy while the other has nothing left to take.
+    items.sort(key=lambda item: "own_process" not in item.keywords)
     if not config.getoption("--slow"):
         slow = pytest.mark.skip(reason="the slow tier (covered faster elsewhere): ./dev test --slow runs it")
         for item in items:

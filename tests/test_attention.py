@@ -10,6 +10,7 @@ import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from attention_cases import CASES
+from conftest import read_together
 from kernel_calls import record_dropout_keys
 
 DEVICE = torch_xla.device()
@@ -33,8 +34,10 @@ def test_output_and_gradients_equal_torch(case):
     tensors = operands(*shapes)
     ours = torch_pallas.scaled_dot_product_attention(*tensors, **options)
     torchs = F.scaled_dot_product_attention(*tensors, **options)
+    (ours, *our_gradients), (torchs, *torchs_gradients) = read_together(
+        [ours, *gradients(ours, tensors)], [torchs, *gradients(torchs, tensors)])
     torch.testing.assert_close(ours, torchs, atol=2e-6, rtol=1e-5)
-    for mine, expected in zip(gradients(ours, tensors), gradients(torchs, tensors)):
+    for mine, expected in zip(our_gradients, torchs_gradients):
         torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
 
 
@@ -43,7 +46,7 @@ def test_float_mask_gets_torchs_gradient():
     bias = torch.randn(1, 3, 1, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_()
     ours = torch_pallas.scaled_dot_product_attention(*tensors, attn_mask=bias)
     torchs = F.scaled_dot_product_attention(*tensors, attn_mask=bias)
-    for mine, expected in zip(gradients(ours, [*tensors, bias]), gradients(torchs, [*tensors, bias])):
+    for mine, expected in zip(*read_together(gradients(ours, [*tensors, bias]), gradients(torchs, [*tensors, bias]))):
         torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
 
 
@@ -65,8 +68,10 @@ def test_dropout_is_torch_pallas_dropout_of_the_weights_with_the_same_seed(shape
     tensors = operands(*SHAPES[shapes])
     ours = torch_pallas.scaled_dot_product_attention(*tensors, dropout_p=0.3, is_causal=True, seed=11)
     written_out = attention_with_torch_pallas_dropout(*tensors, 0.3, 11, is_causal=True)
+    (ours, *our_gradients), (written_out, *expected_gradients) = read_together(
+        [ours, *gradients(ours, tensors)], [written_out, *gradients(written_out, tensors)])
     torch.testing.assert_close(ours, written_out, atol=2e-6, rtol=1e-5)
-    for mine, expected in zip(gradients(ours, tensors), gradients(written_out, tensors)):
+    for mine, expected in zip(our_gradients, expected_gradients):
         torch.testing.assert_close(mine, expected, atol=5e-6, rtol=1e-5)
 
 
@@ -120,12 +125,13 @@ def test_float32_operands_go_to_kernels_compiled_for_tpu_as_bfloat16_and_are_sav
     assert saved[:3] == [torch.bfloat16] * 3 and out.dtype == torch.float32
     grads = gradients(out, tensors)
     assert all(grad.dtype == torch.float32 for grad in grads)
-    rounded = [t.detach().cpu().to(torch.bfloat16).double().requires_grad_() for t in tensors]
+    (out, *grads), leaves = read_together([out, *grads], tensors)
+    rounded = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in leaves]
     expected = F.scaled_dot_product_attention(*rounded, **options)
-    torch.testing.assert_close(out.cpu().double(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
     weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).double()
     for mine, wanted in zip(grads, torch.autograd.grad((expected * weights).sum(), rounded)):
-        torch.testing.assert_close(mine.cpu().double(), wanted, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(mine.double(), wanted, atol=3e-2, rtol=2e-2)
 
 
 def test_float32_operands_stay_float32_in_interpret_mode():

@@ -12,6 +12,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 import torch_pallas
+from conftest import read_together
 from torch_pallas import residual_fusion
 
 DEVICE = torch_xla.device()
@@ -69,8 +70,8 @@ def test_fused_add_has_the_unfused_mask_bits_and_gradients_and_one_kernel(form):
         assert kernel_nodes(out) == {"dropout": int(not fuse), "dropout_add": int(fuse)}
         grads = torch.autograd.grad((out * weights).sum(), (x, r, b), materialize_grads=True)
         results[fuse] = [out, *grads]
-    for unfused, fused in zip(results[False], results[True]):
-        assert torch.equal(unfused.cpu(), fused.cpu())
+    for unfused, fused in zip(*read_together(results[False], results[True])):
+        assert torch.equal(unfused, fused)
 
 
 def test_inplace_adds_write_the_fused_sum_into_the_residual():
@@ -137,8 +138,8 @@ def test_compiled_backend_fuses_fullgraph_with_the_unfused_numbers_and_compiles_
     # Forward, then backward: hidden's gradient is its own plus the second dropout's (a sum fused too).
     assert fused_per_graph == [2, 1], fused_per_graph  # and graphs compiled once
     assert compiles[2] == compiles[3], compiles  # the second call compiles nothing
-    for unfused, fused in zip(*results.values()):
-        assert torch.equal(unfused.cpu(), fused.cpu())
+    for unfused, fused in zip(*read_together(*results.values())):
+        assert torch.equal(unfused, fused)
 
 
 def test_checkpointed_region_fuses_in_the_forward_and_the_recomputation():
@@ -151,8 +152,8 @@ def test_checkpointed_region_fuses_in_the_forward_and_the_recomputation():
             out = torch_pallas.checkpoint(lambda x, r: r + F.dropout(x, 0.5), x, r, use_reentrant=True)
         (out * out).sum().backward()  # the recomputation's mask: out's gradient flows through it
         results.append([out, x.grad, r.grad])
-    for unfused, fused in zip(*results):
-        assert torch.equal(unfused.cpu(), fused.cpu())
+    for unfused, fused in zip(*read_together(*results)):
+        assert torch.equal(unfused, fused)
 
 
 MATMUL_FORMS = {
@@ -180,8 +181,8 @@ def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(f
         assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
                                                   "dropout_matmul": int(fuse)}
         results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (w, v))]
-    for unfused, fused in zip(results[False], results[True]):
-        assert torch.equal(unfused.cpu(), fused.cpu())  # integers: every sum exact
+    for unfused, fused in zip(*read_together(results[False], results[True])):
+        assert torch.equal(unfused, fused)  # integers: every sum exact
 
 
 SOFTMAX_FORMS = {
@@ -216,8 +217,8 @@ def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form, s
         if form != "F.softmax":
             continue  # one form runs: the others are the same kernel
         results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (s, v))]
-    for unfused, fused in zip(results.get(False, []), results.get(True, [])):
-        torch.testing.assert_close(fused.cpu(), unfused.cpu(), rtol=1e-5, atol=1e-5)
+    for unfused, fused in zip(*read_together(results.get(False, []), results.get(True, []))):
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
 def test_a_softmax_it_cannot_take_is_left_before_the_fused_product():
@@ -266,13 +267,13 @@ def attention_nodes(*tensors) -> int:
 # Eager attention's scores from query, key and an additive mask, as models write them.
 SCORES_FORMS = {
     "q @ k.T / c + mask (BERT)": lambda q, k, m: torch.matmul(q, k.transpose(-1, -2)) / 8.0 + m,
-    "q @ k.T * c (ViT)": lambda q, k, m: torch.matmul(q, k.transpose(2, 3)) * 0.125,
     # the mask first; its first 4 keys padding, so that some queries see no key
     "mask + where(causal, q @ k.T / full(c), full(min)) (GPT-2, padded)": lambda q, k, m: m.masked_fill(
         torch.arange(k.shape[-2]).to(DEVICE) < 4, torch.finfo(q.dtype).min) + torch.where(
             causal(q, k), torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 8.0, device=DEVICE),
             torch.full([], torch.finfo(q.dtype).min, device=DEVICE)),
-    "(q @ k.T * c).masked_fill(~causal, min)": lambda q, k, m: (q @ k.transpose(-2, -1) * 0.125).masked_fill(
+    # ViT's scaling, then a selection with no mask added after it
+    "(q @ k.T * c).masked_fill(~causal, min)": lambda q, k, m: (torch.matmul(q, k.transpose(2, 3)) * 0.125).masked_fill(
         ~causal(q, k), torch.finfo(q.dtype).min),
 }
 
@@ -315,8 +316,8 @@ def routed_eager_attention(form, shape, impl, routes):
 
 
 def assert_within_float32_rounding(results, reference):
-    for expected, fused in zip(results[reference], results["attention"]):
-        torch.testing.assert_close(fused.cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
+    for expected, fused in zip(*read_together(results[reference], results["attention"])):
+        torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("form", SCORES_FORMS)
@@ -375,8 +376,8 @@ def test_fused_matmul_under_torch_func_grad_and_checkpointing(shape):
             out = torch_pallas.checkpoint(lambda w, v: F.dropout(w, 0.5) @ v, w_grad, v_grad)
         out.square().sum().backward()
         results.append([*grads, out, w_grad.grad, v_grad.grad])
-    for unfused, fused in zip(*results):
-        assert torch.equal(unfused.cpu(), fused.cpu())
+    for unfused, fused in zip(*read_together(*results)):
+        assert torch.equal(unfused, fused)
 
 
 try:

@@ -59,6 +59,7 @@ def test_uneven_shards_are_refused_with_the_dim():
 SPMD_HALVES = {"attention-and-indrnn": "attention or indrnn", "dropout-random-modules": "not attention and not indrnn"}
 
 
+@pytest.mark.own_process
 @pytest.mark.parametrize("half", SPMD_HALVES)
 def test_sharded_runs_in_their_own_process_on_four_devices(tmp_path, half):
     """tests/spmd/: noise equal to the unsharded run for (4,1), (1,4), (2,2) meshes, 2-D and 3-D

@@ -109,6 +109,7 @@ def test_a_loop_closes_on_its_head_whatever_its_bundle_number():
 
 
 @compiles_for_tpu
+@pytest.mark.own_process
 def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     """tests/estimates/: an XLA-only program is the sum of its fusions and grows with its size;
     the dropout kernel agrees with bench/results/tpu_cost.md; kernels sharing code share its

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.own_process
 def test_sharded_runs_in_their_own_process_on_four_devices(tmp_path):
     """tests/torchax/spmd/: dropout, random sampling with a mesh, attention and IndRNN on arrays
     sharded over a jax Mesh equal the unsharded calls bit for bit, keep the sharding (gradients
