@@ -55,7 +55,7 @@ def test_uneven_shards_are_refused_with_the_dim():
         Sharding.parse("{devices=[1,4]0,1,2,3}").shard_shape((8, 130), "x")
 
 
-# tests/spmd/ in two processes (attention and IndRNN; the rest), which two test workers run at once.
+# tests/spmd/ in two processes (attention and IndRNN; the rest): the suite's longest tests, run first.
 SPMD_HALVES = {"attention-and-indrnn": "attention or indrnn", "dropout-random-modules": "not attention and not indrnn"}
 
 
