@@ -50,6 +50,7 @@ with torchax.default_env():
 """
 
 
+@pytest.mark.own_process
 def test_torch_manual_seed_before_the_environment_starts_repeats_a_run_as_torchaxs_dropout():
     """torchax seeds its RNG from torch.initial_seed() when its environment starts (later,
     env.manual_seed: test_dropout); torch_pallas's draws follow it as torchax's F.dropout does."""
