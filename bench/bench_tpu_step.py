@@ -74,13 +74,6 @@ KEY_VALUE_TRANSPOSED = "10ca643"
 # the RNG, a kernel on operands XLA keeps in VMEM). The table marks time ratios resting on one until the
 # rows are measured again; a graph is compiled again rather than take such a record's figures.
 ESTIMATOR = "b84cc66"
-# From this commit on, float32 attention reaches kernels compiled for a TPU as bfloat16 and the backward
-# pass saves the bfloat16 copies (ops.attention.bfloat16_operands); records carry "attention_operands".
-# The table marks earlier figures of steps that run the attention kernels until they are measured again.
-BFLOAT16_ATTENTION_OPERANDS = "f973653"
-# Whose eager attention route_dropout runs in the attention kernels (residual_fusion's remembered scores:
-# BERT's, ViT's and, from d49cf16 on, GPT-2's chains; T5's stays on dropout_matmul).
-EAGER_ATTENTION_IN_KERNELS = ("bert", "bert-128", "vit", "gpt2", "gpt2-128")
 PATH = RESULTS / "tpu_step.json"
 
 
@@ -325,7 +318,7 @@ def measure(model, batch, variant: str, generations, known=None):
             "bytes_accessed": compiled.bytes_accessed, "flops": compiled.flops, "tpu_custom_calls": kernels,
             "estimate_s": estimate and estimate.seconds, "hbm_bytes": estimate and estimate.hbm_bytes,
             "unestimated": unestimated, digest_name: digest, "commit": commit(), "estimator": ESTIMATOR,
-            "attention_operands": BFLOAT16_ATTENTION_OPERANDS, **extra,
+            **extra,
             "slowest_ops": estimate and [[op.name, op.kind, op.seconds]
                                          for op in sorted(estimate.ops, key=lambda op: -op.seconds)[:8]],
             **(estimate and breakdown(estimate) or {})}
@@ -443,8 +436,7 @@ def render(records: list) -> str:
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
                                  + ("" if "commit" in row or variant == "no dropout" else " †")
-                                 + (" ‡" if _estimated_before_the_fix(row, torch_row) else "")
-                                 + (" §" if _float32_attention_operands(row, model_name, attention) else ""))
+                                 + (" ‡" if _estimated_before_the_fix(row, torch_row) else ""))
                 cells.append(own.get("tpu_custom_calls", "—"))
                 rows.append(cells)
     layers = sorted({r["layers"] for r in records})
@@ -493,13 +485,6 @@ def render(records: list) -> str:
                   "the branch's own index, after long bundles (an XLA copy loop, the RNG, a kernel on operands XLA "
                   "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\", says how far the "
                   "ratios estimated again moved).\n\n")
-    if any(_float32_attention_operands(r, r["model"], r["attention"]) for r in records):
-        notes += (f"§: measured before {BFLOAT16_ATTENTION_OPERANDS}, when float32 attention reached the kernels as "
-                  "float32 and the backward pass saved float32 query, key and value; now they reach kernels "
-                  "compiled for a TPU rounded to bfloat16, and are saved so (the kernels' products rounded them to "
-                  "bfloat16 before too). Rows whose attention runs in the attention kernels: `sdpa` and "
-                  "`torch_pallas`, and the fused steps of BERT's, ViT's and GPT-2's `eager` (GPT-2's on torchax; "
-                  "on torch_xla's transformers 4.57 from d49cf16 on).\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:
@@ -534,8 +519,7 @@ def render_breakdown(records: list) -> str:
                         continue
                     kinds = row["seconds_by_kind"]
                     cells = [model_name, attention, place_label(*place[2:]), label(variant),
-                             _ms(row["estimate_s"]) + (" ‡" if _estimated_before_the_fix(row) else "")
-                             + (" §" if _float32_attention_operands(row, model_name, attention) else "")]
+                             _ms(row["estimate_s"]) + (" ‡" if _estimated_before_the_fix(row) else "")]
                     for kind in ("kernel", "fusion"):
                         part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
                         cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
@@ -554,14 +538,6 @@ def render_breakdown(records: list) -> str:
 def _estimated_before_the_fix(*rows) -> bool:
     """Whether any of ``rows`` holds a time estimate made before :data:`ESTIMATOR`."""
     return any(row.get("estimate_s") is not None and row.get("estimator") != ESTIMATOR for row in rows)
-
-
-def _float32_attention_operands(row, model_name: str, attention: str) -> bool:
-    """Whether ``row`` is a routed step that runs the attention kernels, measured before
-    :data:`BFLOAT16_ATTENTION_OPERANDS` (eager attention runs in them only where the step fuses)."""
-    variant = row.get("variant", "")
-    in_kernels = attention != "eager" or (model_name in EAGER_ATTENTION_IN_KERNELS and "unfused" not in variant)
-    return variant.startswith("torch_pallas") and "peak_bytes" in row and "attention_operands" not in row and in_kernels
 
 
 def _ms(seconds):
