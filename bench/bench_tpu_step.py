@@ -71,8 +71,8 @@ LAYERS = 2
 KEY_VALUE_TRANSPOSED = "10ca643"
 # Estimates made before this commit (their records name no "estimator") counted a loop once where its
 # closing branch's bundle number passed the branch's own index, after long bundles (an XLA copy loop,
-# the RNG, a kernel on operands XLA keeps in VMEM). The table marks time ratios resting on one until the
-# rows are measured again; a graph is compiled again rather than take such a record's figures.
+# the RNG, a kernel on operands XLA keeps in VMEM): a graph is compiled again rather than take such a
+# record's figures. No committed estimate is older.
 ESTIMATOR = "b84cc66"
 PATH = RESULTS / "tpu_step.json"
 
@@ -435,8 +435,7 @@ def render(records: list) -> str:
                     cells.append("—" if row is None or "unavailable" in row else
                                  f"{_ratio(row['peak_bytes'], torch_row['peak_bytes'])} / "
                                  f"{_ratio(row.get('estimate_s'), torch_row.get('estimate_s'))}"
-                                 + ("" if "commit" in row or variant == "no dropout" else " †")
-                                 + (" ‡" if _estimated_before_the_fix(row, torch_row) else ""))
+                                 + ("" if "commit" in row or variant == "no dropout" else " †"))
                 cells.append(own.get("tpu_custom_calls", "—"))
                 rows.append(cells)
     layers = sorted({r["layers"] for r in records})
@@ -479,12 +478,6 @@ def render(records: list) -> str:
                   "every key (BERT's, ViT's and T5's attention, eager attention's products), so there these figures "
                   "are not the current kernels'. GPT-2's flash kernels (1024 keys, two blocks) read them as before: "
                   "its `sdpa` step measured again on v4 gives the same peak and step time.\n\n")
-    if any(_estimated_before_the_fix(r) for r in records):
-        notes += (f"‡: a time ratio (or a breakdown's step) resting on an estimate made before {ESTIMATOR} (the "
-                  "row's or its torch row's), which ran once a loop whose closing branch's bundle number passed "
-                  "the branch's own index, after long bundles (an XLA copy loop, the RNG, a kernel on operands XLA "
-                  "keeps in VMEM; docs/benchmarks/index.md, \"How the estimate follows loops\", says how far the "
-                  "ratios estimated again moved).\n\n")
     same = sorted({f"{r['model']} {r['attention']} {r['variant']} = {r['same_graph_as']}"
                    for r in records if r.get("same_graph_as")})
     if same:
@@ -519,7 +512,7 @@ def render_breakdown(records: list) -> str:
                         continue
                     kinds = row["seconds_by_kind"]
                     cells = [model_name, attention, place_label(*place[2:]), label(variant),
-                             _ms(row["estimate_s"]) + (" ‡" if _estimated_before_the_fix(row) else "")]
+                             _ms(row["estimate_s"])]
                     for kind in ("kernel", "fusion"):
                         part = kinds.get(kind, {"ops": 0, "seconds": 0.0, "schedule_bound_s": 0.0})
                         cells.append(f"{part['ops']}: {_us(part['seconds'])} ({_us(part['schedule_bound_s'])})")
@@ -533,11 +526,6 @@ def render_breakdown(records: list) -> str:
             "and the top-level program's own bundles (launching every op).\n\n" + markdown_table(
                 ["model", "attention", "generation", "variant", "step (ms)", "kernels: count: µs (schedule-bound)",
                  "fusions: count: µs (schedule-bound)", "copies (µs)", "top-level program (µs)"], rows))
-
-
-def _estimated_before_the_fix(*rows) -> bool:
-    """Whether any of ``rows`` holds a time estimate made before :data:`ESTIMATOR`."""
-    return any(row.get("estimate_s") is not None and row.get("estimator") != ESTIMATOR for row in rows)
 
 
 def _ms(seconds):
