@@ -1,0 +1,146 @@
+"""The torch_xla stack's training steps compiled by the torchax stack's newer libtpu: whether a peak
+HBM ratio of ``tpu_step.md`` comes from the compiler that torch_xla 2.9 pins (a diagnosis, not a
+row of that table).
+
+    .venv/xla/bin/python bench/tpu_step_newer_libtpu.py --models bert-128 --attentions sdpa eager \\
+        --variants torch "torch_pallas tiled" --generations v6e
+
+Each step is built as ``bench_tpu_step`` builds it (same models, batch and variants) and compiled
+for one chip of each generation twice: by this process's libtpu (0.0.21, torch_xla[tpu] 2.9's pin;
+``tpu_compile.compile_graph``) and, from the same HLO proto, by ``.venv/torchax/bin/python``
+(libtpu 0.0.52) through jax's compile-only client, as ``compile_graph`` does it. The Mosaic
+kernels travel as they are, serialized by jax 0.7.1. Peak HBM only
+(``peak_memory_in_bytes``): the estimate reads 0.0.21's dumps. Written to
+``results/tpu_step_newer_libtpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_table, write  # noqa: E402
+
+TORCHAX_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "torchax" / "bin" / "python"
+NEWER_LIBTPU = "0.0.52"  # constraints/torchax.txt's
+
+
+def compile_proto(path: str, generation: str) -> None:
+    """Prints the peak HBM bytes of the HLO proto at ``path`` compiled for ``generation`` by this
+    process's libtpu, as JSON (run on the torchax stack)."""
+    from importlib import metadata
+
+    if "TPU_LIBRARY_PATH" in os.environ:  # jax would load that libtpu instead of its own
+        sys.exit(f"TPU_LIBRARY_PATH is set ({os.environ['TPU_LIBRARY_PATH']})")
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    from torch_pallas import tpu_compile
+
+    device = tpu_compile.tpu_device(generation)
+    # jax 0.10.2's private converter (the torchax stack's pin) gives StableHLO bytecode; its
+    # compile-only client takes a parsed module.
+    with mlir.make_ir_context():
+        module = ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(Path(path).read_bytes()))
+        options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+        executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
+                                           compile_options=options)
+    print(json.dumps({"peak_bytes": executable.get_compiled_memory_stats().peak_memory_in_bytes,
+                      "libtpu": metadata.version("libtpu")}), flush=True)
+    # The interpreter's finalization aborts after jax 0.10's MLIR context (a GIL error): skip it.
+    os._exit(0)
+
+
+def newer_peak(proto: bytes, generation: str) -> int:
+    with tempfile.NamedTemporaryFile(suffix=".pb") as file:
+        file.write(proto)
+        file.flush()
+        # torch_xla points TPU_LIBRARY_PATH (and its own copy) at its libtpu: the child must find its own.
+        env = {k: v for k, v in os.environ.items() if k not in ("TPU_LIBRARY_PATH", "PTXLA_TPU_LIBRARY_PATH")}
+        done = subprocess.run([str(TORCHAX_PYTHON), __file__, "--compile-proto", file.name, generation],
+                              capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"the torchax stack's compile failed ({done.returncode}): {done.stderr[-2000:]}")
+    reply = json.loads(lines[-1])
+    if reply["libtpu"] != NEWER_LIBTPU:
+        raise RuntimeError(f"the torchax stack has libtpu {reply['libtpu']}, not {NEWER_LIBTPU}")
+    return reply["peak_bytes"]
+
+
+def measure(models, attentions, variants, generations) -> list:
+    import torch_xla
+
+    import bench_tpu_step
+    from torch_pallas import tpu_compile
+
+    records = []
+    for model_name in models:
+        for attention in attentions:
+            model, batch = bench_tpu_step.build(model_name, attention, bench_tpu_step.LAYERS)
+            if model is None:
+                continue
+            for variant in variants:
+                outputs = bench_tpu_step.step_outputs(model, batch, variant)
+                proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
+                for generation in generations:
+                    record = {"model": model_name, "attention": attention, "variant": variant,
+                              "generation": generation,
+                              "pinned_peak_bytes": tpu_compile.compile_graph(outputs, generation).peak_bytes,
+                              "newer_peak_bytes": newer_peak(proto, generation)}
+                    print(record, file=sys.stderr, flush=True)
+                    records.append(record)
+                # The CPU client cannot run these graphs: drop them before anything syncs.
+                del outputs
+                model.zero_grad(set_to_none=True)
+    return records
+
+
+def render(records: list) -> str:
+    torch_rows = {(r["model"], r["attention"], r["generation"]): r for r in records if r["variant"] == "torch"}
+    rows = []
+    for r in records:
+        torch_row = torch_rows.get((r["model"], r["attention"], r["generation"]))
+        cells = [r["model"], r["attention"], r["generation"], r["variant"]]
+        for key in ("pinned_peak_bytes", "newer_peak_bytes"):
+            ratio = f" ({r[key] / torch_row[key]:.3f}x)" if torch_row and r is not torch_row else ""
+            cells.append(f"{r[key] / 2**20:.2f}{ratio}")
+        rows.append(cells)
+    return ("Peak HBM (MiB) of one training step of `bench_tpu_step` (its models, batch and variants), one "
+            "HLO compiled by libtpu 0.0.21 (the torch_xla stack's, as in tpu_step.md) and by libtpu 0.0.52 "
+            "(the torchax stack's), with the ratio to torch's dropout's step under the same compiler. "
+            "Compile only; a diagnosis of where a peak ratio comes from, not what torch_xla 2.9 users get.\n\n"
+            + markdown_table(["model", "attention", "generation", "variant", "libtpu 0.0.21", "libtpu 0.0.52"],
+                             rows))
+
+
+def main():
+    if sys.argv[1:2] == ["--compile-proto"]:
+        return compile_proto(*sys.argv[2:4])
+    import bench_tpu_step
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["bert-128"], choices=sorted(bench_tpu_step.MODELS))
+    parser.add_argument("--attentions", nargs="+", default=["sdpa"], choices=bench_tpu_step.ATTENTIONS)
+    parser.add_argument("--variants", nargs="+", default=["torch", "torch_pallas tiled"],
+                        choices=bench_tpu_step.VARIANTS)
+    parser.add_argument("--generations", nargs="+", default=["v6e"])
+    args = parser.parse_args()
+    if not TORCHAX_PYTHON.exists():
+        sys.exit(f"needs the torchax stack's environment at {TORCHAX_PYTHON} "
+                 "(TORCH_PALLAS_STACK=torchax ./dev test --co sets it up)")
+    records = measure(args.models, args.attentions, args.variants, args.generations)
+    write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, render(records), None)
+    print(render(records))
+
+
+if __name__ == "__main__":
+    main()
