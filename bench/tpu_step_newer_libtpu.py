@@ -105,6 +105,9 @@ def measure(models, attentions, variants, generations) -> list:
 
 
 def render(records: list) -> str:
+    from importlib import metadata
+
+    pinned = metadata.version("libtpu")  # this process's: the torch_xla stack's
     torch_rows = {(r["model"], r["attention"], r["generation"]): r for r in records if r["variant"] == "torch"}
     rows = []
     for r in records:
@@ -115,11 +118,12 @@ def render(records: list) -> str:
             cells.append(f"{r[key] / 2**20:.2f}{ratio}")
         rows.append(cells)
     return ("Peak HBM (MiB) of one training step of `bench_tpu_step` (its models, batch and variants), one "
-            "HLO compiled by libtpu 0.0.21 (the torch_xla stack's, as in tpu_step.md) and by libtpu 0.0.52 "
-            "(the torchax stack's), with the ratio to torch's dropout's step under the same compiler. "
-            "Compile only; a diagnosis of where a peak ratio comes from, not what torch_xla 2.9 users get.\n\n"
-            + markdown_table(["model", "attention", "generation", "variant", "libtpu 0.0.21", "libtpu 0.0.52"],
-                             rows))
+            f"HLO compiled by libtpu {pinned} (the torch_xla stack's, as in tpu_step.md) and by libtpu "
+            f"{NEWER_LIBTPU} (the torchax stack's), with the ratio to torch's dropout's step under the same "
+            "compiler. Compile only; a diagnosis of where a peak ratio comes from, not what torch_xla 2.9 users "
+            "get.\n\n"
+            + markdown_table(["model", "attention", "generation", "variant", f"libtpu {pinned}",
+                              f"libtpu {NEWER_LIBTPU}"], rows))
 
 
 def main():
@@ -138,8 +142,9 @@ def main():
         sys.exit(f"needs the torchax stack's environment at {TORCHAX_PYTHON} "
                  "(TORCH_PALLAS_STACK=torchax ./dev test --co sets it up)")
     records = measure(args.models, args.attentions, args.variants, args.generations)
-    write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, render(records), None)
-    print(render(records))
+    table = render(records)
+    write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, table, None)
+    print(table)
 
 
 if __name__ == "__main__":
