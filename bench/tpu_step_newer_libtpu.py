@@ -3,20 +3,22 @@ HBM ratio of ``tpu_step.md`` comes from the compiler that torch_xla 2.9 pins (a 
 row of that table).
 
     .venv/xla/bin/python bench/tpu_step_newer_libtpu.py --models bert-128 --attentions sdpa eager \\
-        --variants torch "torch_pallas tiled" --generations v6e
+        --variants torch "torch_pallas tiled" --generations v6e [--layers 12]
 
 Each step is built as ``bench_tpu_step`` builds it (same models, batch and variants) and compiled
 for one chip of each generation twice: by this process's libtpu (0.0.21, torch_xla[tpu] 2.9's pin;
 ``tpu_compile.compile_graph``) and, from the same HLO proto, by ``.venv/torchax/bin/python``
 (libtpu 0.0.52) through jax's compile-only client, as ``compile_graph`` does it. The Mosaic
 kernels travel as they are, serialized by jax 0.7.1. Peak HBM only
-(``peak_memory_in_bytes``): the estimate reads 0.0.21's dumps. Written to
-``results/tpu_step_newer_libtpu.{json,md}``.
+(``peak_memory_in_bytes``): the estimate reads 0.0.21's dumps. ``--layers`` builds the models
+deeper than the step table's (12: the released models' depth). Written over the committed
+``results/tpu_step_newer_libtpu.{json,md}``: a run replaces its own rows and keeps the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_table, write  # noqa: E402
 
 TORCHAX_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "torchax" / "bin" / "python"
+RESULTS_JSON = Path(__file__).resolve().parent / "results" / "tpu_step_newer_libtpu.json"
 NEWER_LIBTPU = "0.0.52"  # constraints/torchax.txt's
 
 
@@ -76,7 +79,7 @@ def newer_peak(proto: bytes, generation: str) -> int:
     return reply["peak_bytes"]
 
 
-def measure(models, attentions, variants, generations) -> list:
+def measure(models, attentions, variants, generations, layers) -> list:
     import torch_xla
 
     import bench_tpu_step
@@ -85,14 +88,14 @@ def measure(models, attentions, variants, generations) -> list:
     records = []
     for model_name in models:
         for attention in attentions:
-            model, batch = bench_tpu_step.build(model_name, attention, bench_tpu_step.LAYERS)
+            model, batch = bench_tpu_step.build(model_name, attention, layers)
             if model is None:
                 continue
             for variant in variants:
                 outputs = bench_tpu_step.step_outputs(model, batch, variant)
                 proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
                 for generation in generations:
-                    record = {"model": model_name, "attention": attention, "variant": variant,
+                    record = {"model": model_name, "layers": layers, "attention": attention, "variant": variant,
                               "generation": generation,
                               "pinned_peak_bytes": tpu_compile.compile_graph(outputs, generation).peak_bytes,
                               "newer_peak_bytes": newer_peak(proto, generation)}
@@ -104,25 +107,42 @@ def measure(models, attentions, variants, generations) -> list:
     return records
 
 
+def _key(record) -> tuple:
+    return record["model"], record["layers"], record["attention"], record["variant"], record["generation"]
+
+
+def merged(records: list, committed: dict) -> list:
+    """``records`` over the ``committed`` results: a run replaces only its own rows."""
+    import bench_tpu_step
+
+    # Rows written before --layers existed were built at the step table's depth.
+    old = [{"layers": bench_tpu_step.LAYERS, **r} for r in committed.get("results", [])]
+    new = {_key(r) for r in records}
+    return [r for r in old if _key(r) not in new] + records
+
+
 def render(records: list) -> str:
     from importlib import metadata
 
     pinned = metadata.version("libtpu")  # this process's: the torch_xla stack's
-    torch_rows = {(r["model"], r["attention"], r["generation"]): r for r in records if r["variant"] == "torch"}
+    torch_rows = {(r["model"], r["layers"], r["attention"], r["generation"]): r
+                  for r in records if r["variant"] == "torch"}
     rows = []
     for r in records:
-        torch_row = torch_rows.get((r["model"], r["attention"], r["generation"]))
-        cells = [r["model"], r["attention"], r["generation"], r["variant"]]
+        torch_row = torch_rows.get((r["model"], r["layers"], r["attention"], r["generation"]))
+        cells = [r["model"], str(r["layers"]), r["attention"], r["generation"], r["variant"]]
         for key in ("pinned_peak_bytes", "newer_peak_bytes"):
             ratio = f" ({r[key] / torch_row[key]:.3f}x)" if torch_row and r is not torch_row else ""
             cells.append(f"{r[key] / 2**20:.2f}{ratio}")
         rows.append(cells)
-    return ("Peak HBM (MiB) of one training step of `bench_tpu_step` (its models, batch and variants), one "
+    return ("Peak HBM (MiB) of one training step of `bench_tpu_step` (its models, batch and variants; "
+            "`layers`: the model's depth, 2 in tpu_step.md, 12 in the released models), one "
             f"HLO compiled by libtpu {pinned} (the torch_xla stack's, as in tpu_step.md) and by libtpu "
             f"{NEWER_LIBTPU} (the torchax stack's), with the ratio to torch's dropout's step under the same "
             "compiler. Compile only; a diagnosis of where a peak ratio comes from, not what torch_xla 2.9 users "
-            "get.\n\n"
-            + markdown_table(["model", "attention", "generation", "variant", f"libtpu {pinned}",
+            "get. Rows come from several runs (one `--layers` each, some side by side): compile-only figures do "
+            "not depend on the machine's load.\n\n"
+            + markdown_table(["model", "layers", "attention", "generation", "variant", f"libtpu {pinned}",
                               f"libtpu {NEWER_LIBTPU}"], rows))
 
 
@@ -137,13 +157,19 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["torch", "torch_pallas tiled"],
                         choices=bench_tpu_step.VARIANTS)
     parser.add_argument("--generations", nargs="+", default=["v6e"])
+    parser.add_argument("--layers", type=int, default=bench_tpu_step.LAYERS)
     args = parser.parse_args()
     if not TORCHAX_PYTHON.exists():
         sys.exit(f"needs the torchax stack's environment at {TORCHAX_PYTHON} "
                  "(TORCH_PALLAS_STACK=torchax ./dev test --co sets it up)")
-    records = measure(args.models, args.attentions, args.variants, args.generations)
-    table = render(records)
-    write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, table, None)
+    records = measure(args.models, args.attentions, args.variants, args.generations, args.layers)
+    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS_JSON, "a") as lock:  # as bench_tpu_step.save: runs side by side keep each other's rows
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = RESULTS_JSON.read_text()
+        records = merged(records, json.loads(text) if text.strip() else {})
+        table = render(records)
+        write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, table, None)
     print(table)
 
 
