@@ -12,8 +12,10 @@ tiles show its padding: ``f32[...,197,64]{...:T(8,128)}`` takes 128 lanes per ro
 optimised HLO (``*after_optimizations.txt``), the copies XLA added (``copy`` ops: layout changes,
 and some moves into on-chip memory, ``S(1)`` in the layout; the asynchronous ``copy-start``
 prefetches are not counted): how many, their bytes, the largest by the value they copy, named by
-its shape and layout and the op it comes from. Written to ``results/tpu_peak.{json,md}``, rows of earlier runs of
-other steps or at other commits kept.
+its shape and layout and the op it comes from; and from its schedule (the ENTRY computation's order),
+where the weight-gradient products run against the torch_pallas kernels (:func:`product_schedule`).
+``--layers`` builds the models deeper than the step table's 2. Written to
+``results/tpu_peak.{json,md}``, rows of earlier runs of other steps or at other commits kept.
 
 Read the block's live bytes, not the dump's "Stack trace breakdown for peak usage": that counts
 parameters and the sources of asynchronous copies too, so two steps' figures there do not compare
@@ -110,6 +112,28 @@ def layout_copies(hlo: str, top: int) -> dict:
             "largest": [[total, count, shape, source] for (shape, source), (total, count) in largest]}
 
 
+_ENTRY_OP = re.compile(r"^  (?:ROOT )?%(\S+) = (\(.*?\)|\S+) (\S+?)\(.*$", re.MULTILINE)
+
+
+def product_schedule(hlo: str) -> dict:
+    """Where a step's weight-gradient products run, from an optimised, scheduled HLO module's text:
+    ``products``, the output fusions (``kind=kOutput``: a dot or convolution with what XLA fused
+    into it) whose result has a parameter's shape, and the ``first_product`` and ``last_kernel``
+    (the last Pallas kernel, ``tpu_custom_call``; None without one) as fractions of the ENTRY
+    computation's instructions, in the order they run. Products run late keep what they read (the
+    gradients and activations of every layer) alive across the backward."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    ops = _ENTRY_OP.findall(entry)
+    parameter_shapes = {shape.split("{")[0] for _, shape, op in ops if op == "parameter"}
+    products = [i for i, (_, shape, op) in enumerate(ops) if op == "fusion" and shape.split("{")[0] in parameter_shapes
+                and "kind=kOutput" in entry.split(f"%{ops[i][0]} = ", 1)[1].split("\n", 1)[0]]
+    kernels = [i for i, (name, _, op) in enumerate(ops) if op == "custom-call"
+               and 'custom_call_target="tpu_custom_call"' in entry.split(f"%{name} = ", 1)[1].split("\n", 1)[0]]
+    return {"instructions": len(ops), "products": len(products),
+            "first_product": products[0] / len(ops) if products else None,
+            "last_kernel": kernels[-1] / len(ops) if kernels else None}
+
+
 def measure(model, batch, variant: str, generation: str, top: int) -> dict:
     import bench_tpu_step
 
@@ -122,30 +146,36 @@ def measure(model, batch, variant: str, generation: str, top: int) -> dict:
         peak = heap_peak(path.read_text())
         [hlo] = Path(directory).glob("*after_optimizations.txt")
         copies = layout_copies(hlo.read_text(), top)
+        schedule = product_schedule(hlo.read_text())
     del outputs
     model.zero_grad(set_to_none=True)
     return {"variant": variant, "generation": generation, "commit": commit(), "peak_bytes": compiled.peak_bytes,
             "heap_bytes": peak.heap_bytes, "live_bytes": peak.live_bytes,
-            "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]], "copies": copies}
+            "largest_live": [[b.bytes, b.shape, b.name] for b in peak.live[:top]], "copies": copies,
+            "schedule": schedule}
 
 
 def render(records: list) -> str:
-    notes = ("One training step of `bench_tpu_step` (its models, batch and variants, 2 layers) compiled for one "
+    notes = ("One training step of `bench_tpu_step` (its models, batch and variants; `layers`: the models' depth, "
+             "2 in tpu_step.md) compiled for one "
              "chip by libtpu's compile-only client with XLA's dumps (`compile_graph(..., dump_to=...)`); from its "
              "buffer assignment: the block of temporaries in HBM (MiB), the most bytes live in it at once, and "
              "the largest buffers live then with their layouts (`T(8,128)`: 128 lanes per row; an f32 "
              "`[...,197,64]` array takes twice its bytes); from its optimised HLO, the `copy` ops XLA added (layout "
              "changes, and some moves into on-chip memory, `S(1)`; not the asynchronous prefetches): count and MiB "
              "written, and per step the largest by the value copied: its shape and layout, and the op it comes "
-             "from. Compiler plans, not TPU measurements. Each model and "
+             "from; from its schedule, the weight-gradient products (output fusions with a parameter's shape): how "
+             "many, and where the first runs and where the last torch_pallas kernel runs, as a share of the "
+             "program's instructions in order. Compiler plans, not TPU measurements. Each model and "
              "attention is a run of its own (`--model`, `--attention`), some side by side: compile-only figures "
              "do not depend on the machine's load.\n\n")
     table = markdown_table(
-        ["model", "attention", "variant", "generation", "commit", "peak HBM (MiB)", "temporaries (MiB)",
-         "live at their peak (MiB)", "copies: count: MiB"],
-        [[r["model"], r["attention"], r["variant"], r["generation"], r.get("commit", "—"),
+        ["model", "layers", "attention", "variant", "generation", "commit", "peak HBM (MiB)", "temporaries (MiB)",
+         "live at their peak (MiB)", "copies: count: MiB", "products: count, first at", "last kernel at"],
+        [[r["model"], str(r["layers"]), r["attention"], r["variant"], r["generation"], r.get("commit", "—"),
           f"{r['peak_bytes'] / MIB:.1f}", f"{r['heap_bytes'] / MIB:.1f}", f"{r['live_bytes'] / MIB:.1f}",
-          f"{r['copies']['count']}: {r['copies']['bytes'] / MIB:.0f}" if "copies" in r else "—"]
+          f"{r['copies']['count']}: {r['copies']['bytes'] / MIB:.0f}" if "copies" in r else "—",
+          *schedule_cells(r.get("schedule"))]
          for r in records])
     for r in records:
         table += (f"\n{r['model']} {r['attention']}, {r['variant']}, {r['generation']} ({r.get('commit', '—')}): "
@@ -160,9 +190,17 @@ def render(records: list) -> str:
     return notes + table
 
 
+def schedule_cells(schedule) -> list:
+    if schedule is None:  # rows measured before the schedule was read
+        return ["—", "—"]
+    share = lambda fraction: "—" if fraction is None else f"{fraction:.0%}"  # noqa: E731
+    return [f"{schedule['products']}, {share(schedule['first_product'])}", share(schedule["last_kernel"])]
+
+
 def _key(record):
     # A step measured at another commit is another row: the kernels may have changed.
-    return record["model"], record["attention"], record["variant"], record["generation"], record.get("commit")
+    return (record["model"], record["layers"], record["attention"], record["variant"], record["generation"],
+            record.get("commit"))
 
 
 def main():
@@ -172,16 +210,19 @@ def main():
     parser.add_argument("--variants", nargs="+", required=True)
     parser.add_argument("--generation", required=True)
     parser.add_argument("--top", type=int, default=16)
+    parser.add_argument("--layers", type=int, help="the models' depth (default: bench_tpu_step.LAYERS)")
     options = parser.parse_args()
     import bench_tpu_step
 
-    model, batch = bench_tpu_step.build(options.model, options.attention, bench_tpu_step.LAYERS)
+    layers = options.layers or bench_tpu_step.LAYERS
+    model, batch = bench_tpu_step.build(options.model, options.attention, layers)
     if model is None:
         raise SystemExit(batch)
-    records = [{"model": options.model, "attention": options.attention,
+    records = [{"model": options.model, "layers": layers, "attention": options.attention,
                 **measure(model, batch, variant, options.generation, options.top)} for variant in options.variants]
     path = RESULTS / "tpu_peak.json"
-    earlier = json.loads(path.read_text())["results"] if path.exists() else []
+    # Rows written before --layers existed were built at the step table's depth.
+    earlier = [{"layers": bench_tpu_step.LAYERS, **r} for r in json.loads(path.read_text())["results"]] if path.exists() else []
     redone = {_key(r) for r in records}
     records = [r for r in earlier if _key(r) not in redone] + records
     table = render(records)

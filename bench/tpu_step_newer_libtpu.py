@@ -9,8 +9,9 @@ Each step is built as ``bench_tpu_step`` builds it (same models, batch and varia
 for one chip of each generation twice: by this process's libtpu (0.0.21, torch_xla[tpu] 2.9's pin;
 ``tpu_compile.compile_graph``) and, from the same HLO proto, by ``.venv/torchax/bin/python``
 (libtpu 0.0.52) through jax's compile-only client, as ``compile_graph`` does it. The Mosaic
-kernels travel as they are, serialized by jax 0.7.1. Peak HBM only
-(``peak_memory_in_bytes``): the estimate reads 0.0.21's dumps. ``--layers`` builds the models
+kernels travel as they are, serialized by jax 0.7.1. Peak HBM (``peak_memory_in_bytes``; no time
+estimate, which reads 0.0.21's dumps) and, from each compile's optimised HLO, where the
+weight-gradient products run (``tpu_peak.product_schedule``). ``--layers`` builds the models
 deeper than the step table's (12: the released models' depth). Written over the committed
 ``results/tpu_step_newer_libtpu.{json,md}``: a run replaces its own rows and keeps the others.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_table, write  # noqa: E402
+from tpu_peak import product_schedule, schedule_cells  # noqa: E402
 
 TORCHAX_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "torchax" / "bin" / "python"
 RESULTS_JSON = Path(__file__).resolve().parent / "results" / "tpu_step_newer_libtpu.json"
@@ -35,8 +37,8 @@ NEWER_LIBTPU = "0.0.52"  # constraints/torchax.txt's
 
 
 def compile_proto(path: str, generation: str) -> None:
-    """Prints the peak HBM bytes of the HLO proto at ``path`` compiled for ``generation`` by this
-    process's libtpu, as JSON (run on the torchax stack)."""
+    """Prints the peak HBM bytes and the product schedule of the HLO proto at ``path`` compiled for
+    ``generation`` by this process's libtpu, as JSON (run on the torchax stack)."""
     from importlib import metadata
 
     if "TPU_LIBRARY_PATH" in os.environ:  # jax would load that libtpu instead of its own
@@ -51,18 +53,22 @@ def compile_proto(path: str, generation: str) -> None:
     device = tpu_compile.tpu_device(generation)
     # jax 0.10.2's private converter (the torchax stack's pin) gives StableHLO bytecode; its
     # compile-only client takes a parsed module.
-    with mlir.make_ir_context():
+    with mlir.make_ir_context(), tempfile.TemporaryDirectory(prefix="newer_libtpu_") as dumps:
         module = ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(Path(path).read_bytes()))
         options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+        debug = options.executable_build_options.debug_options
+        debug.xla_dump_to, debug.xla_dump_hlo_as_text = dumps, True
         executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
                                            compile_options=options)
-    print(json.dumps({"peak_bytes": executable.get_compiled_memory_stats().peak_memory_in_bytes,
-                      "libtpu": metadata.version("libtpu")}), flush=True)
+        [hlo] = Path(dumps).glob("*after_optimizations.txt")
+        print(json.dumps({"peak_bytes": executable.get_compiled_memory_stats().peak_memory_in_bytes,
+                          "schedule": product_schedule(hlo.read_text()), "libtpu": metadata.version("libtpu")}),
+              flush=True)
     # The interpreter's finalization aborts after jax 0.10's MLIR context (a GIL error): skip it.
     os._exit(0)
 
 
-def newer_peak(proto: bytes, generation: str) -> int:
+def newer_compile(proto: bytes, generation: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".pb") as file:
         file.write(proto)
         file.flush()
@@ -76,7 +82,7 @@ def newer_peak(proto: bytes, generation: str) -> int:
     reply = json.loads(lines[-1])
     if reply["libtpu"] != NEWER_LIBTPU:
         raise RuntimeError(f"the torchax stack has libtpu {reply['libtpu']}, not {NEWER_LIBTPU}")
-    return reply["peak_bytes"]
+    return reply
 
 
 def measure(models, attentions, variants, generations, layers) -> list:
@@ -95,10 +101,15 @@ def measure(models, attentions, variants, generations, layers) -> list:
                 outputs = bench_tpu_step.step_outputs(model, batch, variant)
                 proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
                 for generation in generations:
+                    with tempfile.TemporaryDirectory(prefix="pinned_libtpu_") as dumps:
+                        pinned = tpu_compile.compile_graph(outputs, generation, dump_to=dumps)
+                        [hlo] = Path(dumps).glob("*after_optimizations.txt")
+                        pinned_schedule = product_schedule(hlo.read_text())
+                    newer = newer_compile(proto, generation)
                     record = {"model": model_name, "layers": layers, "attention": attention, "variant": variant,
-                              "generation": generation,
-                              "pinned_peak_bytes": tpu_compile.compile_graph(outputs, generation).peak_bytes,
-                              "newer_peak_bytes": newer_peak(proto, generation)}
+                              "generation": generation, "pinned_peak_bytes": pinned.peak_bytes,
+                              "newer_peak_bytes": newer["peak_bytes"], "pinned_schedule": pinned_schedule,
+                              "newer_schedule": newer["schedule"]}
                     print(record, file=sys.stderr, flush=True)
                     records.append(record)
                 # The CPU client cannot run these graphs: drop them before anything syncs.
@@ -131,19 +142,24 @@ def render(records: list) -> str:
     for r in records:
         torch_row = torch_rows.get((r["model"], r["layers"], r["attention"], r["generation"]))
         cells = [r["model"], str(r["layers"]), r["attention"], r["generation"], r["variant"]]
-        for key in ("pinned_peak_bytes", "newer_peak_bytes"):
+        for libtpu in ("pinned", "newer"):
+            key = f"{libtpu}_peak_bytes"
             ratio = f" ({r[key] / torch_row[key]:.3f}x)" if torch_row and r is not torch_row else ""
-            cells.append(f"{r[key] / 2**20:.2f}{ratio}")
+            cells += [f"{r[key] / 2**20:.2f}{ratio}", *schedule_cells(r.get(f"{libtpu}_schedule"))]
         rows.append(cells)
     return ("Peak HBM (MiB) of one training step of `bench_tpu_step` (its models, batch and variants; "
             "`layers`: the model's depth, 2 in tpu_step.md, 12 in the released models), one "
             f"HLO compiled by libtpu {pinned} (the torch_xla stack's, as in tpu_step.md) and by libtpu "
             f"{NEWER_LIBTPU} (the torchax stack's), with the ratio to torch's dropout's step under the same "
-            "compiler. Compile only; a diagnosis of where a peak ratio comes from, not what torch_xla 2.9 users "
-            "get. Rows come from several runs (one `--layers` each, some side by side): compile-only figures do "
+            "compiler; from each compile's schedule, as in tpu_peak.md, the weight-gradient products (how many, "
+            "where the first runs) and where the last torch_pallas kernel runs, as a share of the program's "
+            "instructions in order (— in rows measured before the schedule was read). Compile only; a diagnosis "
+            "of where a peak ratio comes from, not what torch_xla 2.9 users get. Rows come from several runs (one `--layers` each, some side by side): compile-only figures do "
             "not depend on the machine's load.\n\n"
-            + markdown_table(["model", "layers", "attention", "generation", "variant", f"libtpu {pinned}",
-                              f"libtpu {NEWER_LIBTPU}"], rows))
+            + markdown_table(["model", "layers", "attention", "generation", "variant"]
+                             + [header for version in (pinned, NEWER_LIBTPU)
+                                for header in (f"libtpu {version}: peak", "products: count, first at",
+                                               "last kernel at")], rows))
 
 
 def main():
