@@ -222,7 +222,8 @@ def main():
                 **measure(model, batch, variant, options.generation, options.top)} for variant in options.variants]
     path = RESULTS / "tpu_peak.json"
     # Rows written before --layers existed were built at the step table's depth.
-    earlier = [{"layers": bench_tpu_step.LAYERS, **r} for r in json.loads(path.read_text())["results"]] if path.exists() else []
+    earlier = [{"layers": bench_tpu_step.LAYERS, **r}
+               for r in (json.loads(path.read_text())["results"] if path.exists() else [])]
     redone = {_key(r) for r in records}
     records = [r for r in earlier if _key(r) not in redone] + records
     table = render(records)

@@ -154,8 +154,9 @@ def render(records: list) -> str:
             "compiler; from each compile's schedule, as in tpu_peak.md, the weight-gradient products (how many, "
             "where the first runs) and where the last torch_pallas kernel runs, as a share of the program's "
             "instructions in order (— in rows measured before the schedule was read). Compile only; a diagnosis "
-            "of where a peak ratio comes from, not what torch_xla 2.9 users get. Rows come from several runs (one `--layers` each, some side by side): compile-only figures do "
-            "not depend on the machine's load.\n\n"
+            "of where a peak ratio comes from, not what torch_xla 2.9 users get. Rows come from several runs "
+            "(one `--layers` each, some side by side): compile-only figures do not depend on the machine's "
+            "load.\n\n"
             + markdown_table(["model", "layers", "attention", "generation", "variant"]
                              + [header for version in (pinned, NEWER_LIBTPU)
                                 for header in (f"libtpu {version}: peak", "products: count, first at",
