@@ -112,7 +112,7 @@ def layout_copies(hlo: str, top: int) -> dict:
             "largest": [[total, count, shape, source] for (shape, source), (total, count) in largest]}
 
 
-_ENTRY_OP = re.compile(r"^  (?:ROOT )?%(\S+) = (\(.*?\)|\S+) (\S+?)\(.*$", re.MULTILINE)
+_ENTRY_OP = re.compile(r"^  (?:ROOT )?%\S+ = (\(.*?\)|\S+) (\S+?)\((.*)$", re.MULTILINE)  # shape, op, the rest
 
 
 def product_schedule(hlo: str) -> dict:
@@ -122,13 +122,12 @@ def product_schedule(hlo: str) -> dict:
     (the last Pallas kernel, ``tpu_custom_call``; None without one) as fractions of the ENTRY
     computation's instructions, in the order they run. Products run late keep what they read (the
     gradients and activations of every layer) alive across the backward."""
-    entry = hlo[hlo.index("\nENTRY "):]
-    ops = _ENTRY_OP.findall(entry)
-    parameter_shapes = {shape.split("{")[0] for _, shape, op in ops if op == "parameter"}
-    products = [i for i, (_, shape, op) in enumerate(ops) if op == "fusion" and shape.split("{")[0] in parameter_shapes
-                and "kind=kOutput" in entry.split(f"%{ops[i][0]} = ", 1)[1].split("\n", 1)[0]]
-    kernels = [i for i, (name, _, op) in enumerate(ops) if op == "custom-call"
-               and 'custom_call_target="tpu_custom_call"' in entry.split(f"%{name} = ", 1)[1].split("\n", 1)[0]]
+    ops = [(shape.split("{")[0], op, rest) for shape, op, rest in _ENTRY_OP.findall(hlo[hlo.index("\nENTRY "):])]
+    parameter_shapes = {shape for shape, op, _ in ops if op == "parameter"}
+    products = [i for i, (shape, op, rest) in enumerate(ops)
+                if op == "fusion" and shape in parameter_shapes and "kind=kOutput" in rest]
+    kernels = [i for i, (_, op, rest) in enumerate(ops)
+               if op == "custom-call" and 'custom_call_target="tpu_custom_call"' in rest]
     return {"instructions": len(ops), "products": len(products),
             "first_product": products[0] / len(ops) if products else None,
             "last_kernel": kernels[-1] / len(ops) if kernels else None}
