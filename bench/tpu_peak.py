@@ -120,7 +120,7 @@ def product_schedule(hlo: str) -> dict:
     ``products``, the output fusions (``kind=kOutput``: a dot or convolution with what XLA fused
     into it) whose result has a parameter's shape, and the ``first_product`` and ``last_kernel``
     (the last Pallas kernel, ``tpu_custom_call``; None without one) as fractions of the ENTRY
-    computation's instructions, in the order they run. Products run late keep what they read (the
+    computation's instructions, in the order they run. Products that run late keep what they read (the
     gradients and activations of every layer) alive across the backward."""
     ops = [(shape.split("{")[0], op, rest) for shape, op, rest in _ENTRY_OP.findall(hlo[hlo.index("\nENTRY "):])]
     parameter_shapes = {shape for shape, op, _ in ops if op == "parameter"}
