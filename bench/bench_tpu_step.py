@@ -51,7 +51,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, commit, markdown_table, write  # noqa: E402
+from common import RESULTS, commit, markdown_table, merged_rows, write  # noqa: E402
 
 P = 0.1
 # "torch_pallas <impl>": every dropout routed with that noise impl, residual adds and eager attention's products
@@ -401,9 +401,7 @@ def _committed() -> dict:
 
 def merged(records: list) -> list:
     """``records`` over the committed results: a partial run replaces only its own rows."""
-    old = _committed().get("results", [])
-    new = {_key(r): r for r in records}
-    return [r for r in old if "model" in r and _key(r) not in new] + records
+    return merged_rows([r for r in _committed().get("results", []) if "model" in r], records, _key)
 
 
 def render(records: list) -> str:

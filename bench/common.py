@@ -211,6 +211,13 @@ def write(name: str, payload: dict, table_md: str, plot, machine_info: dict | No
         plot(RESULTS / f"{name}.png")
 
 
+def merged_rows(earlier: list, records: list, key) -> list:
+    """``records`` over a results file's ``earlier`` rows: a run replaces only the rows with its
+    records' ``key(row)`` and keeps the others."""
+    new = {key(r) for r in records}
+    return [r for r in earlier if key(r) not in new] + records
+
+
 def markdown_table(headers, rows) -> str:
     def cell(value):
         if value is None:

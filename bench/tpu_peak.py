@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, commit, markdown_table, write  # noqa: E402
+from common import RESULTS, commit, markdown_table, merged_rows, write  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -133,19 +133,26 @@ def product_schedule(hlo: str) -> dict:
             "last_kernel": kernels[-1] / len(ops) if kernels else None}
 
 
+def compile_with_dumps(outputs, generation: str) -> tuple:
+    """``tpu_compile.compile_graph(outputs, generation)`` with XLA's dumps: the compilation, its
+    buffer assignment's text and its optimised HLO's text."""
+    from torch_pallas import tpu_compile
+
+    with tempfile.TemporaryDirectory(prefix="tpu_peak_") as directory:
+        compiled = tpu_compile.compile_graph(outputs, generation, dump_to=directory)
+        [buffers] = Path(directory).glob("*after_optimizations-buffer-assignment.txt")
+        [hlo] = Path(directory).glob("*after_optimizations.txt")
+        return compiled, buffers.read_text(), hlo.read_text()
+
+
 def measure(model, batch, variant: str, generation: str, top: int) -> dict:
     import bench_tpu_step
 
-    from torch_pallas import tpu_compile
-
     outputs = bench_tpu_step.step_outputs(model, batch, variant)
-    with tempfile.TemporaryDirectory(prefix="tpu_peak_") as directory:
-        compiled = tpu_compile.compile_graph(outputs, generation, dump_to=directory)
-        [path] = Path(directory).glob("*after_optimizations-buffer-assignment.txt")
-        peak = heap_peak(path.read_text())
-        [hlo] = Path(directory).glob("*after_optimizations.txt")
-        copies = layout_copies(hlo.read_text(), top)
-        schedule = product_schedule(hlo.read_text())
+    compiled, buffer_assignment, hlo = compile_with_dumps(outputs, generation)
+    peak = heap_peak(buffer_assignment)
+    copies = layout_copies(hlo, top)
+    schedule = product_schedule(hlo)
     del outputs
     model.zero_grad(set_to_none=True)
     return {"variant": variant, "generation": generation, "commit": commit(), "peak_bytes": compiled.peak_bytes,
@@ -220,11 +227,7 @@ def main():
     records = [{"model": options.model, "layers": layers, "attention": options.attention,
                 **measure(model, batch, variant, options.generation, options.top)} for variant in options.variants]
     path = RESULTS / "tpu_peak.json"
-    # Rows written before --layers existed were built at the step table's depth.
-    earlier = [{"layers": bench_tpu_step.LAYERS, **r}
-               for r in (json.loads(path.read_text())["results"] if path.exists() else [])]
-    redone = {_key(r) for r in records}
-    records = [r for r in earlier if _key(r) not in redone] + records
+    records = merged_rows(json.loads(path.read_text())["results"] if path.exists() else [], records, _key)
     table = render(records)
     write("tpu_peak", {"mode": "compile only", "results": records}, table, None)
     print(table)

@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, write  # noqa: E402
-from tpu_peak import product_schedule, schedule_cells  # noqa: E402
+from common import markdown_table, merged_rows, write  # noqa: E402
+from tpu_peak import compile_with_dumps, product_schedule, schedule_cells  # noqa: E402
 
 TORCHAX_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "torchax" / "bin" / "python"
 RESULTS_JSON = Path(__file__).resolve().parent / "results" / "tpu_step_newer_libtpu.json"
@@ -89,7 +89,6 @@ def measure(models, attentions, variants, generations, layers) -> list:
     import torch_xla
 
     import bench_tpu_step
-    from torch_pallas import tpu_compile
 
     records = []
     for model_name in models:
@@ -101,14 +100,11 @@ def measure(models, attentions, variants, generations, layers) -> list:
                 outputs = bench_tpu_step.step_outputs(model, batch, variant)
                 proto = torch_xla._XLAC._get_xla_tensors_hlo_proto(outputs)
                 for generation in generations:
-                    with tempfile.TemporaryDirectory(prefix="pinned_libtpu_") as dumps:
-                        pinned = tpu_compile.compile_graph(outputs, generation, dump_to=dumps)
-                        [hlo] = Path(dumps).glob("*after_optimizations.txt")
-                        pinned_schedule = product_schedule(hlo.read_text())
+                    pinned, _, hlo = compile_with_dumps(outputs, generation)
                     newer = newer_compile(proto, generation)
                     record = {"model": model_name, "layers": layers, "attention": attention, "variant": variant,
                               "generation": generation, "pinned_peak_bytes": pinned.peak_bytes,
-                              "newer_peak_bytes": newer["peak_bytes"], "pinned_schedule": pinned_schedule,
+                              "newer_peak_bytes": newer["peak_bytes"], "pinned_schedule": product_schedule(hlo),
                               "newer_schedule": newer["schedule"]}
                     print(record, file=sys.stderr, flush=True)
                     records.append(record)
@@ -120,16 +116,6 @@ def measure(models, attentions, variants, generations, layers) -> list:
 
 def _key(record) -> tuple:
     return record["model"], record["layers"], record["attention"], record["variant"], record["generation"]
-
-
-def merged(records: list, committed: dict) -> list:
-    """``records`` over the ``committed`` results: a run replaces only its own rows."""
-    import bench_tpu_step
-
-    # Rows written before --layers existed were built at the step table's depth.
-    old = [{"layers": bench_tpu_step.LAYERS, **r} for r in committed.get("results", [])]
-    new = {_key(r) for r in records}
-    return [r for r in old if _key(r) not in new] + records
 
 
 def render(records: list) -> str:
@@ -184,7 +170,7 @@ def main():
     with open(RESULTS_JSON, "a") as lock:  # as bench_tpu_step.save: runs side by side keep each other's rows
         fcntl.flock(lock, fcntl.LOCK_EX)
         text = RESULTS_JSON.read_text()
-        records = merged(records, json.loads(text) if text.strip() else {})
+        records = merged_rows(json.loads(text)["results"] if text.strip() else [], records, _key)
         table = render(records)
         write("tpu_step_newer_libtpu", {"mode": "compile only", "results": records}, table, None)
     print(table)
