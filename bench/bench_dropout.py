@@ -2,12 +2,13 @@
 dropout, forward and forward+backward, float32 and bfloat16, 2**16 to 2**24 elements.
 
 Floor (per element, forward+backward): read x, write y, read the gradient, write its input
-gradient: 4 passes of the dtype's bytes, plus the noise: 2 threefry2x32 evaluations (forward
-and backward; ~120 uint32 vector ops per element each, counted in bench/results/tpu_cost.md).
-torch's dropout moves 1 more byte per element (the saved mask) each way and draws its noise
-once. Both floors are measured here, on the same XLA device: the memory floor is 2x the time
-of ``x * 2`` (one read and one write pass), the noise floor 2x the time of
-``torch_pallas.random.uniform`` of the same shape (the threefry work plus one write).
+gradient: 4 passes of the dtype's bytes, plus the noise drawn twice (forward and backward): with
+the default impl, tiled, a quarter of a Threefry-2x32-13 hash per element; with threefry one
+Threefry-2x32-20 hash (~120 uint32 vector ops, counted in bench/results/tpu_cost.md). torch's
+dropout moves 1 more byte per element (the saved mask) each way and draws its noise once. Both
+floors are measured here, on the same XLA device: the memory floor is 2x the time of ``x * 2``
+(one read and one write pass), the noise floor 2x the time of ``torch_pallas.random.uniform`` of
+the same shape with the default impl (its noise work plus one write).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def saved_bytes(dropout, x) -> int:
 
 def implementations():
     return {
+        # The default impl: tiled since 2026-11-28 (threefry before), beside threefry.
         "torch_pallas (XLA)": (lambda x: torch_pallas.dropout(x, P), "xla"),
+        "torch_pallas threefry (XLA)": (lambda x: torch_pallas.dropout(x, P, impl="threefry"), "xla"),
         "torch F.dropout (XLA)": (lambda x: torch.nn.functional.dropout(x, P), "xla"),
         "torch F.dropout (CPU eager)": (lambda x: torch.nn.functional.dropout(x, P), "cpu"),
     }
@@ -45,7 +48,8 @@ def implementations():
 def measure_floors(shape, dtype, repeats):
     x = torch.randn(shape, dtype=dtype).to(torch_xla.device())
     copy = time_xla(lambda: x * 2, repeats=repeats)
-    noise = time_xla(lambda: torch_pallas.random.uniform(shape, dtype=dtype, seed=0), repeats=repeats)
+    impl = torch_pallas.random.get_default_impl("dropout")
+    noise = time_xla(lambda: torch_pallas.random.uniform(shape, dtype=dtype, seed=0, impl=impl), repeats=repeats)
     return {"memory_floor_ms": 2 * copy.min_ms, "noise_floor_ms": 2 * noise.min_ms,
             "copy_GBps": 2 * x.numel() * x.element_size() / copy.min_ms / 1e6}
 
@@ -104,8 +108,10 @@ def report(rows, mode):
            "compile time is reported separately. fwd+bwd materialises both the output and the input gradient. Target: torch_pallas fwd+bwd ratio <= 1.0 "
            "(aim 0.6) at 2^22 elements.\n")
     md += ("\nFloors of torch_pallas's fwd+bwd, measured in the same run (min times): memory = 4 passes "
-           "of the tensor at the bandwidth of `x * 2` on the same device; noise = 2 threefry draws, "
-           "2x `torch_pallas.random.uniform` of the same shape. The larger one is the floor.\n\n")
+           "of the tensor at the bandwidth of `x * 2` on the same device; noise = 2 draws of the default "
+           f"impl's noise ({torch_pallas.random.get_default_impl('dropout')}), 2x `torch_pallas.random.uniform` of "
+           "the same shape with it (32-bit uniforms: for the tiled impl twice the hashes of dropout's 16-bit ones). "
+           "The larger one is the floor. `torch_pallas (XLA)`: the default impl.\n\n")
     md += markdown_table(["dtype", "elements", "torch_pallas fwd+bwd ms (min)", "memory floor ms", "noise floor ms",
                           "copy GB/s", "fwd+bwd / floor"], floors)
 

@@ -20,7 +20,14 @@ NORMAL_BITS = (0x3F803D4A, 0x3FC3CA79, 0x3DE8ABFD, 0xBF9B79ED)
 BERNOULLI_P = 0.3
 BERNOULLI = (0, 0, 0, 1, 0, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0)
 
-# The keep mask of dropout with p=0.5 over shape (2, 16): jax.random.bernoulli(key, 0.5, (2, 16))
+# The keep mask of dropout with p=0.5 over shape (2, 16) with impl="threefry":
+# jax.random.bernoulli(key, 0.5, (2, 16))
 DROPOUT_P = 0.5
 DROPOUT_KEEP = ((0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1),
                 (0, 1, 1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 0, 1, 0))
+
+# The same with the default impl, "tiled" (its keep probability at p=0.5 is exactly 0.5): the
+# NumPy reference of the tiled impl (tests/reference.py, written from docs/noise.md) on
+# 2026-11-28, ``dropout_keep(SEED, (2, 16), 0.5)``.
+TILED_DROPOUT_KEEP = ((1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 1),
+                      (0, 1, 1, 1, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1, 0))

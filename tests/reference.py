@@ -235,12 +235,26 @@ def tiled_keep_from_bits(bits, p):
     return (np.asarray(bits, np.uint32) >> np.uint32(16)) >= tiled_drop_threshold(p)
 
 
+def dropout_keep(seed, shape, p, impl="tiled"):
+    """The keep mask of dropout over ``shape`` with ``impl`` (``"tiled"``, the default, or
+    ``"threefry"``: ``jax.random.bernoulli``'s), and the float32 keep probability kept values are
+    divided by (docs/noise.md, Dropout's mask)."""
+    if impl == "threefry":
+        return np.array(jax.random.bernoulli(jax_key(seed), np.float32(1 - p), shape)), keep_probability(p, impl)
+    return tiled_keep_from_bits(tiled_bits(seed, shape, 16), p), keep_probability(p, impl)
+
+
+def keep_probability(p, impl="tiled"):
+    """float32: what dropout with ``impl`` divides kept values by, ``1 - p``, or the tiled impl's
+    ``(65536 - t) / 65536`` for its threshold ``t``."""
+    return np.float32(1 - p) if impl == "threefry" else np.float32((65536 - tiled_drop_threshold(p)) / 65536)
+
+
 def tiled_dropout(seed, x, p):
     """Dropout with the tiled impl: kept values divided by (65536 - t) / 65536 in float32, rounded once."""
-    keep = tiled_keep_from_bits(tiled_bits(seed, x.shape, 16), p)
+    keep, scale = dropout_keep(seed, x.shape, p)
     wide = np.asarray(x, np.float32)
-    keep_probability = np.float32((65536 - tiled_drop_threshold(p)) / 65536)
-    return jnp.asarray(np.where(keep, wide / keep_probability, wide * np.float32(0.0))).astype(x.dtype)
+    return jnp.asarray(np.where(keep, wide / scale, wide * np.float32(0.0))).astype(x.dtype)
 
 
 def attention_tiled_keep(shape, dropout_p, seed=1234):

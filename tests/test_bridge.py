@@ -14,7 +14,6 @@ from conftest import ON_TPU
 
 def test_interpret_mode_follows_the_device():
     assert bridge.interpret_mode() is (not ON_TPU)
-    assert bridge.default_noise_impl() == "threefry"  # on TPU too: bench/results/tpu_cost.md
 
 
 def test_devices_torch_pallas_runs_on_and_the_error_for_others_names_the_fix():

@@ -12,7 +12,8 @@ import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint
 
 import torch_pallas
-from reference import SEEDS, jax_key, tiled_bits, tiled_keep_from_bits
+from reference import (SEEDS, attention_tiled_keep, dropout_keep, jax_key, keep_probability, tiled_bits,
+                       tiled_keep_from_bits)
 from torch_pallas.ops import dropout as dropout_op
 
 SHAPE = (20, 300)
@@ -27,17 +28,22 @@ def positive(shape, dtype=torch.float32):
     return xla(torch.rand(shape, generator=torch.Generator().manual_seed(0)).add(0.5).to(dtype))
 
 
-def test_mask_is_jax_bernoulli_and_gradient_uses_it():
-    """docs/tour-xla.md, Dropout, and docs/noise.md, Dropout's mask: the mask is jax.random.bernoulli;
-    the backward regenerates it."""
+# The default impl (tiled) and threefry, whose mask is jax.random.bernoulli's.
+IMPLS = [pytest.param(None, id="default-tiled"), pytest.param("threefry", id="threefry")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mask_is_the_impls_and_gradient_uses_it(impl):
+    """docs/tour-xla.md, Dropout, and docs/noise.md, Dropout's mask: the default impl's (tiled) mask,
+    jax.random.bernoulli's with impl="threefry"; the backward regenerates it."""
     x = positive(SHAPE).requires_grad_()
-    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2])
+    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2], impl=impl)
     y.backward(xla(torch.ones(SHAPE)))
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, SHAPE))
+    keep, q = dropout_keep(SEEDS[2], SHAPE, 0.3, impl or "tiled")
     np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, keep)
-    expected_grad = np.where(keep, np.float32(1) / np.float32(0.7), 0).astype(np.float32)
+    expected_grad = np.where(keep, np.float32(1) / q, 0).astype(np.float32)
     np.testing.assert_allclose(x.grad.cpu().numpy(), expected_grad, rtol=2e-7)
-    np.testing.assert_allclose(y.detach().cpu().numpy(), np.where(keep, x.detach().cpu().numpy() / 0.7, 0), rtol=2e-7)
+    np.testing.assert_allclose(y.detach().cpu().numpy(), np.where(keep, x.detach().cpu().numpy() / q, 0), rtol=2e-7)
 
 
 def test_saves_only_the_key_for_backward():
@@ -62,7 +68,7 @@ def test_forced_different_forward_and_backward_blocks_agree():
     y = dropout_op.dropout(x, key, 0.4, "threefry", False, [8, 128], [40, 256])
     y.backward(xla(torch.ones(64, 1024)))
     torch.testing.assert_close(x.grad.cpu() != 0, y.detach().cpu() != 0, rtol=0, atol=0)
-    default = torch_pallas.dropout(x.detach(), p=0.4, seed=SEEDS[1])
+    default = torch_pallas.dropout(x.detach(), p=0.4, seed=SEEDS[1], impl="threefry")
     assert torch.equal(default.cpu(), y.detach().cpu())
 
 
@@ -71,7 +77,7 @@ def test_low_precision_dtypes(dtype):
     x = positive(SHAPE, dtype).requires_grad_()
     y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[1])
     assert y.dtype == dtype
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.7, SHAPE))
+    keep, _ = dropout_keep(SEEDS[1], SHAPE, 0.3)
     np.testing.assert_array_equal(y.detach().float().cpu().numpy() != 0, keep)
     y.float().sum().backward()
     assert x.grad.dtype == dtype
@@ -80,7 +86,7 @@ def test_low_precision_dtypes(dtype):
 
 def test_mask_shared_over_first_dim_is_one_jax_mask_for_every_step():
     x = positive((6, 3, 130)).requires_grad_()
-    y = torch_pallas.dropout(x, 0.4, seed=SEEDS[1], shared_over_first_dim=True)
+    y = torch_pallas.dropout(x, 0.4, seed=SEEDS[1], shared_over_first_dim=True, impl="threefry")
     keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.6, (3, 130)))
     np.testing.assert_array_equal(y.detach().cpu().numpy() != 0, np.broadcast_to(keep, (6, 3, 130)))
     y.sum().backward()
@@ -297,13 +303,14 @@ CHANNEL_CASES = [  # function, input shape, leading dims that get one mask eleme
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("function,shape,leading", CHANNEL_CASES)
-def test_channel_dropout_mask_is_jax_bernoulli_over_channels_and_gradient_uses_it(function, shape, leading):
+def test_channel_dropout_mask_is_the_impls_over_channels_and_gradient_uses_it(function, shape, leading, impl):
     x = positive(shape).requires_grad_()
-    y = function(x, 0.3, seed=SEEDS[1])
+    y = function(x, 0.3, seed=SEEDS[1], impl=impl)
     y.sum().backward()
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.7, shape[:leading]))
-    scale = np.where(keep, np.float32(1) / np.float32(0.7), 0).astype(np.float32)
+    keep, q = dropout_keep(SEEDS[1], shape[:leading], 0.3, impl or "tiled")
+    scale = np.where(keep, np.float32(1) / q, 0).astype(np.float32)
     scale = np.broadcast_to(scale.reshape(shape[:leading] + (1,) * (len(shape) - leading)), shape)
     np.testing.assert_array_equal(x.grad.cpu().numpy(), scale)
     np.testing.assert_allclose(y.detach().cpu().numpy(), x.detach().cpu().numpy() * scale, rtol=2e-7)
@@ -348,9 +355,9 @@ def test_nan_and_infinity_propagate_as_torch_dropout_forward_and_backward(p):
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.0, 3.0])
     x = xla(values.repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE)).requires_grad_()
     grad = xla(values.flip(0).repeat(SHAPE[0] * SHAPE[1] // 5).reshape(SHAPE))
-    y = torch_pallas.dropout(x, p, seed=SEEDS[1])
+    y = torch_pallas.dropout(x, p, seed=SEEDS[1], impl="threefry")
     y.backward(grad)
-    keep = torch_pallas.random.bernoulli(SHAPE, 1 - p, seed=SEEDS[1])
+    keep = torch_pallas.random.bernoulli(SHAPE, 1 - p, seed=SEEDS[1])  # threefry, sampling's default
     assert (~keep.cpu()).any()
     # A dropped NaN or infinity is NaN (x * 0), as in torch's; a dropped -2.0 is -0.0.
     torch.testing.assert_close(y.detach().cpu(), torch_dropout_given(keep, x.detach(), p), equal_nan=True,
@@ -408,7 +415,7 @@ def test_dropout_add_is_residual_plus_dropout_with_its_mask_and_gradients(dtype)
     """docs/tour-xla.md, Dropout (dropout_add)."""
     x = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))).to(dtype).requires_grad_()
     residual = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))).to(dtype).requires_grad_()
-    y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])
+    y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])  # the default impl, tiled
     grad = xla(torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))).to(dtype)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
@@ -416,9 +423,9 @@ def test_dropout_add_is_residual_plus_dropout_with_its_mask_and_gradients(dtype)
         torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[2])
     assert saved == [8]
     y.backward(grad)
-    keep = np.array(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, SHAPE))
+    keep, q = dropout_keep(SEEDS[2], SHAPE, 0.3)
     wide = [t.detach().cpu().double() for t in (x, residual, grad)]
-    expected = torch.where(torch.from_numpy(keep), wide[0] / 0.7, 0.0) + wide[1]
+    expected = torch.where(torch.from_numpy(keep), wide[0] / float(q), 0.0) + wide[1]
     # Computed in float32 and rounded once: within one float32 rounding of the exact sum.
     torch.testing.assert_close(y.detach().cpu().double(), expected.to(dtype).double(),
                                rtol=3e-7 if dtype == torch.float32 else 1e-2, atol=1e-6)
@@ -461,24 +468,28 @@ def test_dropout_add_compiles_without_graph_breaks_or_recompiles():
 WEIGHTS_SHAPE, VALUE_SHAPE = (2, 3, 40, 300), (2, 3, 300, 16)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float16: the kernels' tests
-def test_dropout_matmul_is_dropout_then_matmul_with_its_mask_and_gradients(dtype):
-    """docs/transformers.md, Fusion (dropout_matmul): float64 references given jax.random's mask; the
-    backward pass keeps the weights, the value and the key, not the dropped weights."""
+def test_dropout_matmul_is_dropout_then_matmul_with_its_mask_and_gradients(dtype, impl):
+    """docs/transformers.md, Fusion (dropout_matmul): float64 references given the impl's mask (the
+    tiled impl's per attention tile, threefry's jax.random's); the backward pass keeps the weights,
+    the value and the key, not the dropped weights."""
     generator = torch.Generator().manual_seed(5)
     weights = xla(torch.rand(WEIGHTS_SHAPE, generator=generator)).to(dtype).requires_grad_()
     value = xla(torch.randn(VALUE_SHAPE, generator=generator)).to(dtype).requires_grad_()
     grad = xla(torch.randn(2, 3, 40, 16, generator=generator)).to(dtype)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out = torch_pallas.dropout_matmul(weights, value, 0.3, seed=SEEDS[2])
+        out = torch_pallas.dropout_matmul(weights, value, 0.3, seed=SEEDS[2], impl=impl)
     assert saved == [WEIGHTS_SHAPE, VALUE_SHAPE, (2,)]
     out.backward(grad)
-    keep = torch.from_numpy(np.array(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, WEIGHTS_SHAPE)))
+    keep = torch.from_numpy(dropout_keep(SEEDS[2], WEIGHTS_SHAPE, 0.3, impl)[0] if impl == "threefry"
+                            else attention_tiled_keep(WEIGHTS_SHAPE, 0.3, SEEDS[2]))
+    q = float(keep_probability(0.3, impl or "tiled"))
     w, v, g = (t.detach().cpu().double() for t in (weights, value, grad))
     # The kernel rounds a kept weight to the weights' dtype, as dropout does, then accumulates in float32.
-    dropped = torch.where(keep, w / 0.7, 0.0).to(dtype).double()
-    expected = (dropped @ v, torch.where(keep, g @ v.transpose(-2, -1) / 0.7, 0.0), dropped.transpose(-2, -1) @ g)
+    dropped = torch.where(keep, w / q, 0.0).to(dtype).double()
+    expected = (dropped @ v, torch.where(keep, g @ v.transpose(-2, -1) / q, 0.0), dropped.transpose(-2, -1) @ g)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for got, want in zip((out, weights.grad, value.grad), expected):
         assert got.dtype == dtype and got.shape == want.shape
@@ -490,13 +501,13 @@ def test_dropout_matmul_is_dropouts_mask_and_takes_what_matmul_takes():
     kernel does not take (a broadcast value, float64) is computed as dropout then matmul."""
     weights = positive(WEIGHTS_SHAPE)
     value = xla(torch.randn(VALUE_SHAPE, generator=torch.Generator().manual_seed(6)))
-    dropped = torch_pallas.dropout(weights, 0.4, seed=7)
-    torch.testing.assert_close(torch_pallas.dropout_matmul(weights, value, 0.4, seed=7).cpu(),
+    dropped = torch_pallas.dropout(weights, 0.4, seed=7, impl="threefry")
+    torch.testing.assert_close(torch_pallas.dropout_matmul(weights, value, 0.4, seed=7, impl="threefry").cpu(),
                                (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
     for w, v in ((weights, value[0]), (weights.double(), value.double()), (weights[0, 0], value[0, 0, :, 0])):
         assert torch.equal(torch_pallas.dropout_matmul(w, v, 0.4, seed=7).cpu(),
                            (torch_pallas.dropout(w, 0.4, seed=7) @ v).cpu())
-    eager = torch_pallas.dropout_matmul(weights.cpu(), value.cpu(), 0.4, seed=7)
+    eager = torch_pallas.dropout_matmul(weights.cpu(), value.cpu(), 0.4, seed=7, impl="threefry")
     torch.testing.assert_close(eager, (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
 
 

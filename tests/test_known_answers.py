@@ -24,7 +24,9 @@ def test_random_ops_give_the_committed_values(device):
     assert tuple(bernoulli.cpu().numpy().astype(int)) == answers.BERNOULLI
 
 
+@pytest.mark.parametrize("impl,keep", [(None, answers.TILED_DROPOUT_KEEP), ("threefry", answers.DROPOUT_KEEP)],
+                         ids=["default-tiled", "threefry"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_dropout_keeps_the_committed_mask(device):
-    y = torch_pallas.dropout(torch.ones(2, 16).to(device), answers.DROPOUT_P, seed=answers.SEED)
-    np.testing.assert_array_equal(y.cpu().numpy(), np.asarray(answers.DROPOUT_KEEP, np.float32) / answers.DROPOUT_P)
+def test_dropout_keeps_the_committed_mask(device, impl, keep):
+    y = torch_pallas.dropout(torch.ones(2, 16).to(device), answers.DROPOUT_P, seed=answers.SEED, impl=impl)
+    np.testing.assert_array_equal(y.cpu().numpy(), np.asarray(keep, np.float32) / answers.DROPOUT_P)

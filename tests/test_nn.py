@@ -245,10 +245,27 @@ def test_indrnn_dropout_mask_is_shared_over_time():
     assert not recorder.calls, "dropout ran in eval mode"
 
 
+def test_indrnn_dropout_takes_the_default_impl_or_its_own():
+    """nn.IndRNN(impl=...): its dropout's generator, the default's (tiled) without one."""
+    x = xla(torch.rand(6, 3, 4))
+    masks = {}
+    for impl in (None, "tiled", "threefry"):
+        torch.manual_seed(0)
+        module = IndRNN(4, 128, num_layers=2, dropout=0.5, impl=impl).to(torch_xla.device())
+        torch_xla.manual_seed(1)
+        with RecordDropout() as recorder:
+            module(x)
+        (_, after), = recorder.calls
+        masks[impl] = after != 0
+    assert torch.equal(masks[None], masks["tiled"]) and not torch.equal(masks["tiled"], masks["threefry"])
+    assert repr(IndRNN(4, 8, impl="threefry")) == "IndRNN(4, 8, impl='threefry')"
+
+
 @pytest.mark.parametrize("bad,error", [
     (dict(input_size=0), ValueError), (dict(hidden_size=-1), ValueError), (dict(num_layers=1.5), TypeError),
     (dict(hidden_size="8"), TypeError), (dict(nonlinearity="gelu"), ValueError), (dict(dropout=1.5), ValueError),
     (dict(recurrent_max_abs=0.0), ValueError), (dict(recurrent_max_abs=float("inf")), ValueError),
+    (dict(impl="philox"), ValueError),
 ])
 def test_indrnn_module_rejects_bad_arguments(bad, error):
     """A value of the wrong type is a TypeError, one out of range a ValueError, as across torch_pallas."""

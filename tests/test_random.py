@@ -119,16 +119,33 @@ def test_hardware_noise_has_no_repeated_tiles_on_tpu():
     assert not torch.equal(u, tp_random.uniform((256, 1024), seed=3, impl="hardware").cpu())
 
 
-def test_default_impl_is_threefry_and_set_default_impl_checks_its_argument():
-    """docs/noise.md, The generators (the default impl and how to change it)."""
-    assert tp_random.get_default_impl() == "threefry"
+def test_default_impls_are_tiled_for_dropout_and_threefry_for_sampling_and_set_default_impl_sets_both():
+    """docs/noise.md, The generators (the defaults, how to change them, and the line that restores
+    the masks of before 2026-11-28); docs/changelog.md."""
+    assert tp_random.get_default_impl() == tp_random.get_default_impl("dropout") == "tiled"
+    assert tp_random.get_default_impl("sampling") == "threefry"
+    with pytest.raises(ValueError, match="kind must be one of 'dropout', 'sampling', got 'noise'"):
+        tp_random.get_default_impl("noise")
     with pytest.raises(ValueError, match="impl must be one of 'threefry', 'hardware', 'tiled', got 'philox'"):
         tp_random.set_default_impl("philox")
     if not bridge.on_tpu():
         with pytest.raises(ValueError, match="needs PJRT_DEVICE=TPU"):
             tp_random.set_default_impl("hardware")
+    x = torch.ones(8, 128, device=torch_xla.device())
+    tiled = torch_pallas.dropout(x, 0.5, seed=3).cpu()
+    assert torch.equal(tiled, torch_pallas.dropout(x, 0.5, seed=3, impl="tiled").cpu())
     tp_random.set_default_impl("threefry")
-    assert tp_random.get_default_impl() == "threefry"
+    try:
+        assert tp_random.get_default_impl("dropout") == tp_random.get_default_impl("sampling") == "threefry"
+        assert torch.equal(torch_pallas.dropout(x, 0.5, seed=3).cpu(),
+                           torch_pallas.dropout(x, 0.5, seed=3, impl="threefry").cpu())
+        assert not torch.equal(torch_pallas.dropout(x, 0.5, seed=3).cpu(), tiled)
+        tp_random.set_default_impl("tiled")
+        assert torch.equal(tp_random.uniform((8, 128), seed=3).cpu(), tp_random.uniform((8, 128), seed=3,
+                                                                                            impl="tiled").cpu())
+    finally:
+        tp_random.set_default_impl(None)
+    assert (tp_random.get_default_impl("dropout"), tp_random.get_default_impl("sampling")) == ("tiled", "threefry")
 
 
 @pytest.mark.parametrize("call", [
@@ -147,17 +164,17 @@ def test_every_random_op_without_impl_reads_the_default_and_names_the_environmen
     finally:
         monkeypatch.delenv("TORCH_PALLAS_NOISE_IMPL")
         tp_random.set_default_impl(None)
-    assert tp_random.get_default_impl() == "threefry"
+    assert tp_random.get_default_impl() == "tiled"
 
 
 @pytest.mark.tpu
 def test_set_default_impl_hardware_changes_the_noise_of_calls_without_impl():
     x = torch.ones(64, 1024, device=torch_xla.device())
-    threefry = torch_pallas.dropout(x, 0.5, seed=3).cpu()
+    tiled = torch_pallas.dropout(x, 0.5, seed=3).cpu()
     tp_random.set_default_impl("hardware")
     try:
         default = torch_pallas.dropout(x, 0.5, seed=3).cpu()
         assert torch.equal(default, torch_pallas.dropout(x, 0.5, seed=3, impl="hardware").cpu())
-        assert not torch.equal(default, threefry)
+        assert not torch.equal(default, tiled)
     finally:
         tp_random.set_default_impl(None)

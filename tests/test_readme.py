@@ -64,7 +64,21 @@ def check_tour(namespace):
     assert torch.equal(namespace["y_cpu"], torch_pallas.dropout(namespace["x"].detach(), 0.1, seed=7).cpu())
 
 
-CHECKS = {README: check_readme, ROOT / "docs" / "tour-xla.md": check_tour}
+def check_changelog(namespace):
+    """Its one line gives every op threefry's masks again; the test's process gets its default back."""
+    import torch_pallas
+
+    try:
+        assert torch_pallas.random.get_default_impl("dropout") == "threefry"
+        x = torch.ones(8, 128)
+        assert torch.equal(torch_pallas.dropout(x, 0.5, seed=1), torch_pallas.dropout(x, 0.5, seed=1, impl="threefry"))
+    finally:
+        torch_pallas.random.set_default_impl(None)
+    assert torch_pallas.random.get_default_impl("dropout") == "tiled"
+
+
+CHECKS = {README: check_readme, ROOT / "docs" / "tour-xla.md": check_tour,
+          ROOT / "docs" / "changelog.md": check_changelog}
 
 
 def test_the_readme_and_the_tours_show_code():

@@ -176,7 +176,7 @@ def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(f
     results = {}
     for fuse in (False, True):
         torch_xla.manual_seed(3)
-        with torch_pallas.route_dropout(fuse_matmul=fuse):
+        with torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse):  # the unfused mask
             out = MATMUL_FORMS[form](w, v)
         assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
                                                   "dropout_matmul": int(fuse)}
@@ -209,7 +209,7 @@ def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form, s
     results = {}
     for fuse in (False, True):
         torch_xla.manual_seed(3)
-        with torch_pallas.route_dropout(fuse_matmul=fuse):
+        with torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse):  # the unfused mask
             out = F.dropout(SOFTMAX_FORMS[form](s), 0.5) @ v
         assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
                                                   "dropout_matmul": int(fuse)}
@@ -248,7 +248,7 @@ def test_products_it_cannot_fuse_are_left_to_torch():
         for fuse in (False, True):
             torch_xla.manual_seed(5)
             fresh = w.clone()
-            with torch_pallas.route_dropout(fuse_matmul=fuse):
+            with torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse):  # the unfused mask
                 out = product(F.dropout(fresh, 0.5), fresh)
             assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 0
             results.append(out.cpu())
@@ -370,7 +370,7 @@ def test_fused_matmul_under_torch_func_grad_and_checkpointing(shape):
     results = []
     for fuse in (False, True):
         torch_xla.manual_seed(6)
-        with torch_pallas.route_dropout(fuse_matmul=fuse):
+        with torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse):  # the unfused mask
             grads = torch.func.grad(lambda w, v: (F.dropout(w, 0.5) @ v).square().sum(), argnums=(0, 1))(w, v)
             w_grad, v_grad = (t.detach().requires_grad_() for t in (w, v))
             out = torch_pallas.checkpoint(lambda w, v: F.dropout(w, 0.5) @ v, w_grad, v_grad)

@@ -134,10 +134,11 @@ def test_gpt2_training_step_compiles_whole_for_tpu(training_steps, dropout, gene
     compiled = tpu_compile.compile_graph(outputs, generation, dump_to=tmp_path)
     assert compiled.generation == generation and compiled.seconds > 0
     # The compiled program names its kernels and counts their estimates: the 4 dropouts' forward
-    # and backward kernels, each of 2 x 16 x 32 or 2 x 2 x 16 x 16 = 1024 elements, one (1, 1024) block.
+    # and backward kernels, each of 2 x 16 x 32 or 2 x 2 x 16 x 16 = 1024 elements.
     [program] = tmp_path.glob("*after_optimizations.txt")
     kernels = tpu_kernels(program.read_text())
-    assert [name for name, _ in kernels] == ["dropout_threefry_b1x1024"] * (8 if dropout == "torch_pallas" else 0)
+    # The default impl, tiled, draws a 1024-element view as one (8, 1024) tile: one block of it.
+    assert [name for name, _ in kernels] == ["dropout_tiled_b8x1024"] * (8 if dropout == "torch_pallas" else 0)
     assert all(cost["bytes_accessed"] == 2 * 4 * 1024 + 8 for _, cost in kernels)
     # Every parameter's gradient and the loss are outputs (float32).
     parameter_bytes = sum(4 * output.numel() for output in outputs[1:])

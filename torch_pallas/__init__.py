@@ -13,7 +13,7 @@ names raise an ImportError that says so.
 __all__ = ["checkpoint", "dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn",
            "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention", "nn", "packing",
            "random", "seeds"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:
     import torch as _torch

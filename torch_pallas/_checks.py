@@ -54,12 +54,19 @@ def check_tensor(tensor, name: str) -> torch.Tensor:
     return tensor
 
 
-def noise_arguments(p, impl, seed, generator, p_name: str = "p") -> tuple[float, str]:
-    """The checked ``p`` and resolved ``impl`` of a noise function's call, after checking where
-    its key would come from (``seed``, ``generator``: :func:`torch_pallas.seeds.check_source`),
-    whether or not one is drawn."""
+# The kinds of random op, each with its default impl (torch_pallas.random.get_default_impl).
+DROPOUT = "dropout"
+SAMPLING = "sampling"
+_DEFAULT_IMPLS = {DROPOUT: prng.DROPOUT_DEFAULT, SAMPLING: prng.SAMPLING_DEFAULT}
+KINDS = tuple(_DEFAULT_IMPLS)
+
+
+def noise_arguments(p, impl, seed, generator, p_name: str = "p", kind: str = DROPOUT) -> tuple[float, str]:
+    """The checked ``p`` and resolved ``impl`` of a noise function's call of ``kind``, after
+    checking where its key would come from (``seed``, ``generator``:
+    :func:`torch_pallas.seeds.check_source`), whether or not one is drawn."""
     p = check_probability(p, p_name)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, kind)
     seeds.check_source(seed, generator)
     return p, impl
 
@@ -75,17 +82,17 @@ def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     return tensor
 
 
-def resolve_impl(impl) -> str:
-    """``impl``, or the default (:func:`torch_pallas.random.set_default_impl`); ``"hardware"``
-    only on TPU."""
+def resolve_impl(impl, kind: str = DROPOUT) -> str:
+    """``impl``, or the default of ``kind``'s ops (:func:`torch_pallas.random.get_default_impl`);
+    ``"hardware"`` only on TPU."""
     if impl is not None:
         return _check_impl(impl, "impl")
-    default = bridge.default_noise_impl()
-    if default == bridge.PLATFORM_NOISE_IMPL:
-        return default
+    chosen = bridge.chosen_noise_impl()
+    if chosen is None:
+        return _DEFAULT_IMPLS[kind]
     # Set by the environment or set_default_impl: name where it came from if it is refused.
-    return _check_impl(default, f"the default noise impl (torch_pallas.random.set_default_impl or "
-                                f"${bridge.NOISE_IMPL_VARIABLE})")
+    return _check_impl(chosen, f"the default noise impl (torch_pallas.random.set_default_impl or "
+                               f"${bridge.NOISE_IMPL_VARIABLE})")
 
 
 def _check_impl(impl, name: str) -> str:

@@ -372,28 +372,25 @@ def torch_key_words(device=None, generator=None) -> torch.Tensor:
     return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32, generator=generator, device=device)
 
 
-# The process-wide noise impl of calls without ``impl=``, as JAX's ``jax_default_prng_impl``:
-# read from the environment once, changed by torch_pallas.random.set_default_impl.
+# The noise impl chosen for the whole process, as JAX's ``jax_default_prng_impl``: read from the
+# environment once, changed by torch_pallas.random.set_default_impl; ``None`` leaves each kind of
+# op its own default (prng.DROPOUT_DEFAULT, prng.SAMPLING_DEFAULT).
 NOISE_IMPL_VARIABLE = "TORCH_PALLAS_NOISE_IMPL"
-# "threefry" on every platform, TPU included: it is bit for bit jax.random on every backend and
-# tested so here, while the hardware PRNG's bits, though libtpu's schedule makes it the fast
-# impl there (bench/results/tpu_cost.md), have never run on a TPU; it is opt-in until they have.
-PLATFORM_NOISE_IMPL = "threefry"
-_default_noise_impl = os.environ.get(NOISE_IMPL_VARIABLE) or PLATFORM_NOISE_IMPL
+_chosen_noise_impl = os.environ.get(NOISE_IMPL_VARIABLE) or None
 
 
-def default_noise_impl() -> str:
-    """The noise impl of calls without ``impl=`` (unchecked: the environment may name any):
-    the last :func:`set_default_noise_impl`, else ``$TORCH_PALLAS_NOISE_IMPL``, else
-    :data:`PLATFORM_NOISE_IMPL`."""
-    return _default_noise_impl
+def chosen_noise_impl() -> str | None:
+    """The noise impl of every call without ``impl=`` (unchecked: the environment may name
+    any): the last :func:`choose_noise_impl`, else ``$TORCH_PALLAS_NOISE_IMPL``, else ``None``."""
+    return _chosen_noise_impl
 
 
-def set_default_noise_impl(impl: str | None) -> None:
-    """Makes ``impl`` (checked by the caller) the default; ``None`` restores the environment's
-    or the platform's. Dynamo guards on the value read: a change recompiles."""
-    global _default_noise_impl
-    _default_noise_impl = impl or os.environ.get(NOISE_IMPL_VARIABLE) or PLATFORM_NOISE_IMPL
+def choose_noise_impl(impl: str | None) -> None:
+    """Makes ``impl`` (checked by the caller) the impl of every call without one; ``None``
+    restores the environment's choice, or none. Dynamo guards on the value read: a change
+    recompiles."""
+    global _chosen_noise_impl
+    _chosen_noise_impl = impl or os.environ.get(NOISE_IMPL_VARIABLE) or None
 
 
 LOWER_FOR_TPU_VARIABLE = "TORCH_PALLAS_LOWER_FOR_TPU"

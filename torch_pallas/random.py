@@ -1,10 +1,10 @@
 """Block-invariant random tensors: ``uniform``, ``normal``, ``bernoulli``, and the noise
-generator every random op uses by default (:func:`get_default_impl`, :func:`set_default_impl`).
+generators random ops use by default (:func:`get_default_impl`, :func:`set_default_impl`).
 
-With ``impl="threefry"`` (the default) the result is bit for bit ``jax.random.uniform / normal /
-bernoulli(key, shape)`` for the seed's key, whatever block size the kernel uses (``normal`` in
-float32 to a few ulps): :ref:`the noise contract <noise-impls>` says exactly what each
-generator draws, and :ref:`where keys come from <key-sources>` what ``seed=`` and
+With ``impl="threefry"`` (their default) the result is bit for bit ``jax.random.uniform /
+normal / bernoulli(key, shape)`` for the seed's key, whatever block size the kernel uses
+(``normal`` in float32 to a few ulps): :ref:`the noise contract <noise-impls>` says exactly what
+each generator draws, and :ref:`where keys come from <key-sources>` what ``seed=`` and
 ``generator=`` do.
 """
 
@@ -13,54 +13,66 @@ from __future__ import annotations
 import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
+from torch_pallas.kernels import arguments
 from torch_pallas.ops import sampling as sampling_ops
 
 __all__ = ["uniform", "normal", "bernoulli", "get_default_impl", "set_default_impl"]
 
 
-def get_default_impl() -> str:
-    """Returns the noise generator of every random op called without ``impl=``.
+def get_default_impl(kind: str = "dropout") -> str:
+    """Returns the noise generator of ``kind``'s random ops called without ``impl=``.
 
-    ``"threefry"`` unless changed by :func:`set_default_impl` or, when the process starts,
-    by the environment variable ``TORCH_PALLAS_NOISE_IMPL`` (as ``JAX_DEFAULT_PRNG_IMPL``
-    sets ``jax.random``'s).
+    Unless changed by :func:`set_default_impl` or, when the process starts, by the
+    environment variable ``TORCH_PALLAS_NOISE_IMPL`` (as ``JAX_DEFAULT_PRNG_IMPL`` sets
+    ``jax.random``'s), that is ``"tiled"`` for ``kind="dropout"`` (dropout and every op
+    built on it: the channel variants, :func:`torch_pallas.dropout_add`,
+    :func:`torch_pallas.dropout_matmul`, attention's dropout, the modules,
+    :func:`torch_pallas.route_dropout`, IndRNN's dropout) and ``"threefry"`` for
+    ``kind="sampling"`` (:func:`uniform`, :func:`normal`, :func:`bernoulli`, which are
+    ``jax.random``'s bits): :ref:`the generators <noise-impls>` says why.
+
+    Args:
+        kind (str): ``"dropout"`` (default) or ``"sampling"``.
 
     Raises:
-        ValueError: the environment names an unknown impl, or ``"hardware"`` off TPU.
+        ValueError: an unknown ``kind``, the environment names an unknown impl, or
+            ``"hardware"`` off TPU.
     """
-    return _checks.resolve_impl(None)
+    return _checks.resolve_impl(None, arguments.check_one_of("kind", kind, _checks.KINDS))
 
 
 def set_default_impl(impl: str | None) -> None:
     r"""Sets the noise generator of every random op called without ``impl=``: dropout (the
-    functions, modules, :func:`torch_pallas.route_dropout`), channel dropout,
+    functions, modules, :func:`torch_pallas.route_dropout`, attention), channel dropout,
     :func:`uniform`, :func:`normal` and :func:`bernoulli`. An explicit ``impl=`` still wins.
 
     Process-wide, as ``jax.config.update("jax_default_prng_impl", ...)`` is for JAX; under
     ``torch.compile`` a change recompiles the functions that read it. Modules read it when
-    they run, not when they are built.
+    they run, not when they are built. ``set_default_impl("threefry")`` gives every op
+    ``jax.random``'s bits, as the dropouts drew them before ``"tiled"`` became their default.
 
     Args:
         impl (str or None): ``"threefry"``, ``"tiled"`` or ``"hardware"`` (TPU only;
             :ref:`the generators <noise-impls>`); ``None`` restores the environment's choice
-            (``TORCH_PALLAS_NOISE_IMPL``) or ``"threefry"``.
+            (``TORCH_PALLAS_NOISE_IMPL``) or, without one, each kind's default
+            (:func:`get_default_impl`).
 
     Raises:
         ValueError: an unknown ``impl``, or ``"hardware"`` off TPU.
 
     Example::
 
-        >>> torch_pallas.random.set_default_impl("hardware")   # on a TPU VM
-        >>> y = torch_pallas.dropout(x, 0.1)                    # the hardware PRNG
+        >>> torch_pallas.random.set_default_impl("threefry")   # jax.random's masks, as before 0.2
+        >>> y = torch_pallas.dropout(x, 0.1, seed=0)            # jax.random.bernoulli's mask
     """
     if impl is not None:
         _checks.resolve_impl(impl)
-    bridge.set_default_noise_impl(impl)
+    bridge.choose_noise_impl(impl)
 
 
 def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec):
     shape = _checks.check_shape(shape)
-    p, impl = _checks.noise_arguments(p, impl, seed, generator)
+    p, impl = _checks.noise_arguments(p, impl, seed, generator, kind=_checks.SAMPLING)
     device = bridge.device_or_default(device)
     output_sharding = sharding.resolve(None, mesh, partition_spec)
     sharding_text = None if output_sharding is None else output_sharding.check(shape, "shape", impl)

@@ -76,7 +76,7 @@ class route_dropout(TorchFunctionMode):
             attention), the whole attention runs
             as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
             same mask), and nothing of size ``L x S`` is kept. With ``impl="threefry"``
-            the same mask; with ``impl="hardware"`` or ``"tiled"`` the mask is drawn per attention tile
+            the same mask; with ``impl="tiled"`` (the default) or ``"hardware"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
             Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s

@@ -156,7 +156,7 @@ def test_threefry_mask_is_jax_bernoulli_whatever_the_blocks(blocks):
     B, L, S = 2, 48, 256
     value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (B, S, S))
     out, _ = attention.attention_forward(jnp.asarray(KEY), jnp.zeros((B, L, 8)), jnp.zeros((B, S, 8)), value,
-                                         dropout_p=0.3, interpret=True, blocks=blocks)
+                                         dropout_p=0.3, impl="threefry", interpret=True, blocks=blocks)
     np.testing.assert_array_equal(np.asarray(out) > 0, threefry_keep((B, L, S), 0.3))
 
 
@@ -422,7 +422,7 @@ def test_a_shard_past_2_32_weights_draws_jax_randoms_bits():
     first = 2**32 // (L * S) - 1
     value = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (2, S, S))
     out, _ = attention.attention_forward(jnp.asarray(KEY), jnp.zeros((2, L, 8)), jnp.zeros((2, S, 8)), value,
-                                         dropout_p=0.3, interpret=True, global_shape=(B, 1, 1),
+                                         dropout_p=0.3, impl="threefry", interpret=True, global_shape=(B, 1, 1),
                                          shard_offset=np.array([0, first], np.int32))
     expected = jax_random_part(lambda k: jax.random.bernoulli(k, np.float32(0.7), (B, L, S)), jax_key(1234),
                                (slice(first, first + 2),))

@@ -29,7 +29,7 @@ def reference(seed, x, p):
 def test_mask_is_jax_bernoulli(shape, blocks, dtype):
     seed, p = SEEDS[2], 0.3
     x = jax.random.uniform(jax.random.key(0), shape, dtype, minval=0.5, maxval=2.0)  # no zeros: mask = (y != 0)
-    y = dropout(key_data(seed), x, p=p, interpret=True, blocks=blocks)
+    y = dropout(key_data(seed), x, p=p, impl="threefry", interpret=True, blocks=blocks)
     keep, expected = reference(seed, x, p)
     np.testing.assert_array_equal(np.asarray(y) != 0, keep)
     assert y.dtype == dtype
@@ -39,8 +39,9 @@ def test_mask_is_jax_bernoulli(shape, blocks, dtype):
 def test_forward_and_backward_block_shapes_agree():
     # The backward kernel may be tuned differently: other blocks, other grid order.
     x = jnp.ones((64, 1024), jnp.float32)
-    forward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, blocks=Blocks(8, 128))
-    backward = dropout(key_data(SEEDS[1]), x, p=0.5, interpret=True, blocks=Blocks(40, 256, column_major_grid=True))
+    forward = dropout(key_data(SEEDS[1]), x, p=0.5, impl="threefry", interpret=True, blocks=Blocks(8, 128))
+    backward = dropout(key_data(SEEDS[1]), x, p=0.5, impl="threefry", interpret=True,
+                       blocks=Blocks(40, 256, column_major_grid=True))
     np.testing.assert_array_equal(np.asarray(forward), np.asarray(backward))
 
 
@@ -53,10 +54,11 @@ def test_p_outside_unit_interval_is_rejected_and_p_one_drops_everything():
 def test_mask_shared_over_first_dim_is_one_jax_mask_broadcast():
     seed, p, shape = SEEDS[1], 0.4, (6, 5, 100)
     x = jnp.ones(shape, jnp.float32)
-    y = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True)
+    y = dropout(key_data(seed), x, p=p, impl="threefry", interpret=True, shared_over_first_dim=True)
     keep = np.asarray(jax.random.bernoulli(jax_key(seed), 1 - p, shape[1:]))
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shape))
-    tiled = dropout(key_data(seed), x, p=p, interpret=True, shared_over_first_dim=True, blocks=Blocks(6, 256))
+    tiled = dropout(key_data(seed), x, p=p, impl="threefry", interpret=True, shared_over_first_dim=True,
+                    blocks=Blocks(6, 256))
     np.testing.assert_array_equal(np.asarray(tiled), np.asarray(y))
 
 
@@ -68,7 +70,7 @@ BEYOND_2_32 = {
     "shared mask, columns": ((3, 2**19 + 8, 8192), (3, 16, 1024), (0, 2**19 - 8, 4096), True),
 }
 dropout_shard = jax.jit(dropout_kernels.dropout, static_argnames=(
-    "p", "interpret", "shared_over_first_dim", "global_shape"))
+    "p", "impl", "interpret", "shared_over_first_dim", "global_shape"))
 
 
 @pytest.mark.parametrize("case", list(BEYOND_2_32))
@@ -77,8 +79,8 @@ def test_mask_of_a_shard_past_2_32_elements_is_jax_bernoulli(case):
     seed, p = SEEDS[3], 0.3
     mask_shape, mask_start = (global_shape[1:], start[1:]) if shared else (global_shape, start)
     flat_index = sum(s * int(np.prod(mask_shape[d + 1:])) for d, s in enumerate(mask_start))
-    y = dropout_shard(key_data(seed), jnp.ones(shard, jnp.float32), p=p, interpret=True, shared_over_first_dim=shared,
-                      global_shape=global_shape, shard_offset=offset_words(flat_index))
+    y = dropout_shard(key_data(seed), jnp.ones(shard, jnp.float32), p=p, impl="threefry", interpret=True,
+                      shared_over_first_dim=shared, global_shape=global_shape, shard_offset=offset_words(flat_index))
     part = tuple(slice(s, s + size) for s, size in zip(mask_start, shard[len(shard) - len(mask_shape):]))
     keep = jax_random_part(lambda key: jax.random.bernoulli(key, 1 - p, mask_shape), jax_key(seed), part)
     np.testing.assert_array_equal(np.asarray(y) != 0, np.broadcast_to(keep, shard))
@@ -90,8 +92,8 @@ def test_dropout_add_is_the_dropout_mask_plus_residual_rounded_once(dtype, block
     seed, p, shape = SEEDS[1], 0.3, (20, 300)
     x = jax.random.normal(jax.random.key(1), shape, dtype)
     residual = jax.random.normal(jax.random.key(2), shape, dtype)
-    y = jax.jit(dropout_kernels.dropout_add, static_argnames=("p", "interpret", "blocks"))(
-        key_data(seed), x, residual, p=p, interpret=True, blocks=blocks)
+    y = jax.jit(dropout_kernels.dropout_add, static_argnames=("p", "impl", "interpret", "blocks"))(
+        key_data(seed), x, residual, p=p, impl="threefry", interpret=True, blocks=blocks)
     keep, _ = reference(seed, x, p)
     exact = np.where(keep, np.asarray(x, np.float64) / (1 - p), 0) + np.asarray(residual, np.float64)
     assert y.dtype == dtype

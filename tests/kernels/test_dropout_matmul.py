@@ -76,9 +76,9 @@ def test_hardware_matches_the_reference_with_the_attention_kernels_mask(emulated
 def test_the_threefry_mask_is_the_dropout_kernels():
     """Fused or not, the same weights are dropped: dropout's kernel then a product in float64."""
     weights, value, _ = _case((2, 48, 384), 8, jnp.float32, seed=3)
-    dropped = dropout.dropout(jnp.asarray(KEY), weights, p=0.5, interpret=True)
-    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.5, interpret=True,
-                                                blocks=Blocks(16, 128))
+    dropped = dropout.dropout(jnp.asarray(KEY), weights, p=0.5, impl="threefry", interpret=True)
+    out = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, value, p=0.5, impl="threefry",
+                                                interpret=True, blocks=Blocks(16, 128))
     expected = np.einsum("bls,bsd->bld", np.asarray(dropped, np.float64), np.asarray(value, np.float64))
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5, atol=1e-5)
 

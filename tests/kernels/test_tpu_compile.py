@@ -146,8 +146,8 @@ def test_dropout_per_shard_on_a_2x2_topology(generation, dtype):
     offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec in SHARDED_NOISE:
         for shared in (False, True):
-            kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False,
-                                       shared_over_first_dim=shared)
+            kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, impl="threefry",
+                                       interpret=False, shared_over_first_dim=shared)
             assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec), spec, KEY, offsets,
                                            jax.ShapeDtypeStruct(shape, DTYPES[dtype]), generation=generation)
 
@@ -162,14 +162,14 @@ PAST_2_32 = [((2**21, 4096), (1024, 4096)), ((2**21, 4096), (1024, 2048)), ((8, 
 
 def test_dropout_shard_of_more_than_2_32_elements(generation):
     for shape, shard in PAST_2_32:
-        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, interpret=False)
+        kernel = functools.partial(_dropout_on_shard, global_shape=shape, p=0.3, impl="threefry", interpret=False)
         compiles(kernel, KEY, jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(shard, jnp.float32),
                  generation=generation)
 
 
 def test_dropout_of_more_than_2_32_elements_whole():
     # 2**32 + 2**15 float32 elements in and out: v5p's HBM (95 GiB) is the one that holds them.
-    compiles(functools.partial(dropout.dropout, p=0.3, interpret=False), KEY,
+    compiles(functools.partial(dropout.dropout, p=0.3, impl="threefry", interpret=False), KEY,
              jax.ShapeDtypeStruct((2**20 + 8, 4096), jnp.float32), generation="v5p")
 
 
@@ -517,16 +517,16 @@ def indrnn_forward_and_backward(x, weight, h0, **options):
 # forward and backward, the attention kernels' variants (causal, several planes per step, the
 # query's gradient in the key-value kernel), with their default blocks (causal attention's small).
 NAMED_CASES = {
-    "dropout": (functools.partial(dropout.dropout, p=0.1, interpret=False), [KEY, float32(256, 1024)],
-                ["dropout_threefry_b256x1024"]),
+    "dropout": (functools.partial(dropout.dropout, p=0.1, impl="threefry", interpret=False),
+                [KEY, float32(256, 1024)], ["dropout_threefry_b256x1024"]),
     "dropout_add-hardware": (functools.partial(dropout.dropout_add, p=0.1, impl="hardware", interpret=False),
                              [KEY, float32(256, 1024), float32(256, 1024)], ["dropout_add_hardware_b256x1024"]),
     "dropout-tiled": (functools.partial(dropout.dropout, p=0.1, impl="tiled", interpret=False),
                       [KEY, float32(256, 1024)], ["dropout_tiled_b256x1024"]),
     "normal": (functools.partial(sampling.normal, shape=(64, 1024), interpret=False), [KEY],
                ["sample_normal_threefry_b64x1024"]),
-    "attention-causal": (functools.partial(attention_forward_and_backward, dropout_p=0.1, causal=True,
-                                           blocks=SMALL_BLOCKS, backward_blocks=SMALL_BLOCKS),
+    "attention-causal": (functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="threefry",
+                                           causal=True, blocks=SMALL_BLOCKS, backward_blocks=SMALL_BLOCKS),
                          [KEY, *[float32(1, 2, 256, 64)] * 3],
                          ["attention_fwd_threefry_causal_b128x128", "attention_dkv_threefry_causal_b128x128",
                           "attention_dq_threefry_causal_b128x128"]),
@@ -536,7 +536,8 @@ NAMED_CASES = {
                       ["attention_fwd_p8_b197x197", "attention_dqkv_p8_b197x197"]),
     "attention-vit-heads-in-lanes": (attention_forward_and_backward, [KEY, *[float32(1, 8, 197, 64)] * 3],
                                      ["attention_fwd_lanes_b197x197", "attention_dqkv_lanes_b197x197"]),
-    "softmax_dropout_matmul": (functools.partial(dropout_matmul_forward_and_backward, p=0.1, softmax=True),
+    "softmax_dropout_matmul": (functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="threefry",
+                                                 softmax=True),
                                [KEY, float32(1, 2, 256, 1024), float32(1, 2, 1024, 64)],
                                ["softmax_dropout_matmul_fwd_threefry_b128x1024",
                                 "softmax_dropout_matmul_bwd_threefry_b128x1024"]),

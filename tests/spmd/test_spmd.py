@@ -52,11 +52,12 @@ SHARED = [(case, True) for case in CASES if case[2][0] is not None or len(case[1
 @pytest.mark.parametrize("case,shared", [(case, False) for case in CASES] + SHARED,
                          ids=IDS + [f"{IDS[CASES.index(case)]}-shared-mask" for case, _ in SHARED])
 def test_dropout_mask_and_gradient_are_the_unsharded_ones(case, shared):
+    """Threefry, drawn per element, takes any of these splits (the tiled impl, whole bands of its tiles: below)."""
     mesh, shape, spec = case
     values = torch.rand(shape) + 0.5
-    expected = torch_pallas.dropout(values.to(DEVICE), 0.4, seed=7, shared_over_first_dim=shared).cpu()
+    expected = torch_pallas.dropout(values.to(DEVICE), 0.4, seed=7, shared_over_first_dim=shared, impl="threefry").cpu()
     x = sharded(values, mesh_of(mesh), spec).requires_grad_(True)
-    y = torch_pallas.dropout(x, 0.4, seed=7, shared_over_first_dim=shared)
+    y = torch_pallas.dropout(x, 0.4, seed=7, shared_over_first_dim=shared, impl="threefry")
     y.backward(torch.ones(shape, device=DEVICE))
     assert spec_of(y) == spec_of(x) and spec_of(x.grad) == spec_of(x)
     torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
@@ -87,14 +88,16 @@ def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution, mesh, 
     torch.testing.assert_close(out.cpu(), sample(shape, seed=11).cpu(), rtol=0, atol=0)
 
 
-def test_dropout_forward_and_backward_run_per_shard_without_all_gather():
-    x = sharded(torch.rand(64, 512), mesh_of("2x2"), ("data", "model")).requires_grad_(True)
+@pytest.mark.parametrize("impl,shape,spec", [(None, (256, 1024), ("data", None)),
+                                             ("threefry", (64, 512), ("data", "model"))], ids=["default", "threefry"])
+def test_dropout_forward_and_backward_run_per_shard_without_all_gather(impl, shape, spec):
+    x = sharded(torch.rand(shape), mesh_of("2x2"), spec).requires_grad_(True)
 
     def run():
-        torch_pallas.dropout(x, 0.5, seed=1).sum().backward()
+        torch_pallas.dropout(x, 0.5, seed=1, impl=impl).sum().backward()
         torch_xla.sync()
     assert "SPMDFullToShardShape" in torch_xla._XLAC._get_xla_tensors_hlo(
-        [torch_pallas.dropout(x, 0.5, seed=1)])
+        [torch_pallas.dropout(x, 0.5, seed=1, impl=impl)])
     modules = compiled_modules(run)
     assert modules and all_gather_sizes(modules) == []
 
@@ -166,7 +169,8 @@ def test_readme_spmd_snippet_runs():
     namespace = {"torch": torch, "torch_xla": torch_xla, "torch_pallas": torch_pallas, "device": DEVICE}
     exec(compile(block, "README.md", "exec"), namespace)
     x, y, u = namespace["x"], namespace["y"], namespace["u"]
-    assert spec_of(y) == spec_of(x) == spec_of(u) == "{devices=[2,2]0,1,2,3}"
+    assert spec_of(y) == spec_of(x) == Sharding_text(mesh_of("2x2"), ("data", None), (512, 1024))
+    assert spec_of(u) == "{devices=[2,2]0,1,2,3}"
     unsharded = x.cpu().to(DEVICE)
     torch.testing.assert_close(y.cpu(), torch_pallas.dropout(unsharded, 0.1, seed=0).cpu(), rtol=0, atol=0)
     torch.testing.assert_close(u.cpu(), torch_pallas.random.uniform((64, 1024), seed=0).cpu(), rtol=0, atol=0)
@@ -192,7 +196,7 @@ def test_dropout_module_with_a_partition_spec_runs_per_shard_under_compile():
     mesh, spec = mesh_of("2x2"), ("data", "model")
     values = torch.rand(16, 512) + 0.5
     x = values.to(DEVICE).requires_grad_(True)  # unmarked: the module's partition_spec shards it
-    dropout = torch_pallas.nn.Dropout(0.3, mesh=mesh, partition_spec=spec)
+    dropout = torch_pallas.nn.Dropout(0.3, impl="threefry", mesh=mesh, partition_spec=spec)
     compiled = torch.compile(dropout, backend="openxla", fullgraph=True)
     y = compiled(x)
     y.backward(torch.ones_like(y))
@@ -207,7 +211,7 @@ def test_dropout_module_with_a_partition_spec_runs_per_shard_under_compile():
 def test_convert_dropout_gives_its_dropout_modules_the_partition_spec():
     mesh, spec = mesh_of("2x2"), ("data", "model")
     model = torch_pallas.convert_dropout(torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Dropout1d(0.3)),
-                                         mesh=mesh, partition_spec=spec)
+                                         impl="threefry", mesh=mesh, partition_spec=spec)
     assert model[0].partition_spec == spec and getattr(model[1], "partition_spec", None) is None
     values = torch.rand(16, 512) + 0.5
     torch_xla.manual_seed(3)
@@ -215,7 +219,8 @@ def test_convert_dropout_gives_its_dropout_modules_the_partition_spec():
     torch_xla.sync()
     assert spec_of(y) == Sharding_text(mesh, spec, (16, 512))
     torch_xla.manual_seed(3)
-    torch.testing.assert_close(y.cpu(), torch_pallas.nn.Dropout(0.3)(values.to(DEVICE)).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), torch_pallas.nn.Dropout(0.3, impl="threefry")(values.to(DEVICE)).cpu(),
+                               rtol=0, atol=0)
     with pytest.raises(ValueError, match="dims"):
         model[0](torch.ones(4, 16, 512, device=DEVICE))
     with pytest.raises(ValueError, match="go together"):
@@ -238,14 +243,15 @@ def test_modules_with_a_partition_spec_run_per_shard(compiled):
     torch.manual_seed(0)
     values = torch.randn(8, 6, 256)
     p = 0.2
+    # Features split over "model": threefry, which takes any split (the tiled impl only whole bands of tiles).
     sharded_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True, mesh=mesh,
-                                         partition_spec=spec).to(DEVICE)
-    plain_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True).to(DEVICE)
+                                         partition_spec=spec, impl="threefry").to(DEVICE)
+    plain_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True, impl="threefry").to(DEVICE)
     plain_rnn.load_state_dict(sharded_rnn.state_dict())
-    dropout = torch_pallas.nn.Dropout(p, mesh=mesh, partition_spec=spec)
+    dropout = torch_pallas.nn.Dropout(p, impl="threefry", mesh=mesh, partition_spec=spec)
     assert "partition_spec=('data', None, 'model')" in repr(dropout)
     results = []
-    for rnn, drop in ((sharded_rnn, dropout), (plain_rnn, torch_pallas.nn.Dropout(p))):
+    for rnn, drop in ((sharded_rnn, dropout), (plain_rnn, torch_pallas.nn.Dropout(p, impl="threefry"))):
         torch._dynamo.reset()
         step = (lambda x: drop(rnn(x)[0]))
         step = torch.compile(step, backend="openxla") if compiled else step

@@ -12,7 +12,7 @@ import torchax.interop
 from torchax.interop import jax_view, torch_view
 
 import torch_pallas
-from reference import SEEDS, jax_key
+from reference import SEEDS, dropout_keep, jax_key
 from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive, square_weight  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")
@@ -79,7 +79,7 @@ def test_torch_autograd_inside_a_jitted_function():
         with ENV:
             x = torch_view(inputs).requires_grad_()
             with torch_pallas.seeds.key_scope(torch_view(key)):
-                y = torch_pallas.dropout(x, 0.25)
+                y = torch_pallas.dropout(x, 0.25, impl="threefry")  # jax.random's mask of the scope's key
             y.sum().backward()
             return jax_view(y.detach()), jax_view(x.grad)
 
@@ -158,8 +158,8 @@ def test_jax_grad_over_a_torch_function_uses_the_regenerated_mask():
             return jax_view((torch_pallas.dropout(torch_view(inputs), 0.4, seed=SEEDS[2]) * jax_tensor(weights)).sum())
 
     grad = jax.grad(loss)(jax_view(positive()))
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[2]), 0.6, SHAPE))
-    np.testing.assert_allclose(np.asarray(grad), np.where(keep, weights.astype(np.float64) / 0.6, 0), rtol=3e-7)
+    keep, q = dropout_keep(SEEDS[2], SHAPE, 0.4)  # the default impl, tiled
+    np.testing.assert_allclose(np.asarray(grad), np.where(keep, weights.astype(np.float64) / q, 0), rtol=3e-7)
     jitted = jax.jit(jax.grad(loss))(jax_view(positive()))
     np.testing.assert_allclose(np.asarray(jitted), np.asarray(grad), rtol=2.5e-7)
 
@@ -188,5 +188,5 @@ def test_torch_func_over_dropout(transform):
         (grad,) = pullback(jax_tensor(np.ones(SHAPE, np.float32)))
     else:  # dropout is linear: the tangent goes through the same mask
         _, grad = torch.func.jvp(function, (x,), (jax_tensor(np.ones(SHAPE, np.float32)),))
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.5, SHAPE))
+    keep, _ = dropout_keep(SEEDS[1], SHAPE, 0.5)  # the default impl, tiled (its keep probability: 0.5)
     np.testing.assert_allclose(numpy(grad), np.where(keep, 2.0, 0.0))

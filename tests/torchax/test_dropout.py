@@ -8,26 +8,28 @@ import pytest
 import torch
 
 import torch_pallas
-from reference import SEEDS, jax_key
+from reference import SEEDS, dropout_keep, jax_key
 from torch_pallas import frontends
 from torchax_support import ENV, SHAPE, in_env, jax_tensor, numpy, positive  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")
 
 
-def test_mask_is_jax_bernoulli_and_gradient_uses_it():
-    """docs/noise.md, Dropout's mask: the mask is jax.random.bernoulli(key, 1 - p, shape) for the
-    seed's key, and the backward applies the same mask (against a float64 reference)."""
+@pytest.mark.parametrize("impl", [None, "threefry"], ids=["default-tiled", "threefry"])
+def test_mask_is_the_impls_and_gradient_uses_it(impl):
+    """docs/noise.md, Dropout's mask: the default (tiled) impl's mask, with impl="threefry"
+    jax.random.bernoulli(key, 1 - p, shape) for the seed's key, and the backward applies the same
+    mask (against a float64 reference)."""
     x = positive(requires_grad=True)
     upstream = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
-    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2])
+    y = torch_pallas.dropout(x, p=0.3, seed=SEEDS[2], impl=impl)
     assert y.device.type == "jax" and y.dtype == torch.float32
     y.backward(jax_tensor(upstream))
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[2]), 0.7, SHAPE))
+    keep, q = dropout_keep(SEEDS[2], SHAPE, 0.3, impl or "tiled")
     np.testing.assert_array_equal(numpy(y) != 0, keep)
     x64 = numpy(x).astype(np.float64)
-    np.testing.assert_allclose(numpy(y), np.where(keep, x64 / 0.7, 0), rtol=2.5e-7, atol=0)
-    np.testing.assert_allclose(numpy(x.grad), np.where(keep, upstream.astype(np.float64) / 0.7, 0),
+    np.testing.assert_allclose(numpy(y), np.where(keep, x64 / q, 0), rtol=2.5e-7, atol=0)
+    np.testing.assert_allclose(numpy(x.grad), np.where(keep, upstream.astype(np.float64) / q, 0),
                                rtol=2.5e-7, atol=0)
 
 
@@ -81,22 +83,22 @@ def test_dropout_add_is_residual_plus_dropout_with_its_gradients():
     mask, gradients to both."""
     x = positive(requires_grad=True)
     residual = jax_tensor(np.full(SHAPE, 2.0, np.float32), requires_grad=True)
-    y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[1])
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.7, SHAPE))
-    np.testing.assert_allclose(numpy(y), np.where(keep, numpy(x).astype(np.float64) / 0.7, 0) + 2, rtol=3e-7)
+    y = torch_pallas.dropout_add(x, residual, 0.3, seed=SEEDS[1])  # the default impl, tiled
+    keep, q = dropout_keep(SEEDS[1], SHAPE, 0.3)
+    np.testing.assert_allclose(numpy(y), np.where(keep, numpy(x).astype(np.float64) / q, 0) + 2, rtol=3e-7)
     y.sum().backward()
-    np.testing.assert_allclose(numpy(x.grad), np.where(keep, 1 / 0.7, 0), rtol=2.5e-7)
+    np.testing.assert_allclose(numpy(x.grad), np.where(keep, 1 / q, 0), rtol=2.5e-7)
     np.testing.assert_array_equal(numpy(residual.grad), np.ones(SHAPE, np.float32))
 
 
 @pytest.mark.parametrize("function, shape, leading", [
     (torch_pallas.dropout1d, (4, 6, 33), 2), (torch_pallas.dropout2d, (4, 6, 5, 7), 2),
     (torch_pallas.dropout3d, (6, 3, 4, 5), 1)])
-def test_channel_dropout_masks_whole_channels_with_jaxs_bernoulli(function, shape, leading):
-    """docs/noise.md, Dropout's mask (channel dropout): one jax.random.bernoulli draw per (sample, channel)."""
+def test_channel_dropout_masks_whole_channels_with_the_default_impls_mask(function, shape, leading):
+    """docs/noise.md, Dropout's mask (channel dropout): one draw of the default (tiled) impl per (sample, channel)."""
     x = positive(shape, requires_grad=True)
     y = function(x, 0.5, seed=SEEDS[1])
-    keep = np.asarray(jax.random.bernoulli(jax_key(SEEDS[1]), 0.5, shape[:leading]))
+    keep, _ = dropout_keep(SEEDS[1], shape[:leading], 0.5)  # its keep probability at 0.5 is 0.5
     expected = np.broadcast_to(keep.reshape(keep.shape + (1,) * (len(shape) - leading)), shape)
     np.testing.assert_array_equal(numpy(y) != 0, expected)
     y.sum().backward()

@@ -24,9 +24,11 @@ def test_random_ops_give_the_committed_values(device):
     assert tuple(numpy(bernoulli).astype(int)) == answers.BERNOULLI
 
 
+@pytest.mark.parametrize("impl,keep", [(None, answers.TILED_DROPOUT_KEEP), ("threefry", answers.DROPOUT_KEEP)],
+                         ids=["default-tiled", "threefry"])
 @pytest.mark.parametrize("device", ["jax", "cpu"])
-def test_dropout_keeps_the_committed_mask(device):
+def test_dropout_keeps_the_committed_mask(device, impl, keep):
     ones = np.ones((2, 16), np.float32)
     x = jax_tensor(ones) if device == "jax" else torch.from_numpy(ones)
-    y = torch_pallas.dropout(x, answers.DROPOUT_P, seed=answers.SEED)
-    np.testing.assert_array_equal(numpy(y), np.asarray(answers.DROPOUT_KEEP, np.float32) / answers.DROPOUT_P)
+    y = torch_pallas.dropout(x, answers.DROPOUT_P, seed=answers.SEED, impl=impl)
+    np.testing.assert_array_equal(numpy(y), np.asarray(keep, np.float32) / answers.DROPOUT_P)

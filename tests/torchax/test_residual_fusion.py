@@ -52,7 +52,9 @@ def test_traced_residual_dropout_is_one_kernel_with_the_unfused_mask():
 
 def attention_product(fuse_matmul):
     def product(weights, value, key):
-        with ENV, torch_pallas.seeds.key_scope(torch_view(key)), torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+        # threefry: the fused kernels' mask is then the unfused dropout's
+        with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
+                torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse_matmul):
             return jax_view(F.dropout(torch_view(weights), 0.5) @ torch_view(value))
     return jax.jit(product)
 
@@ -79,7 +81,7 @@ def test_traced_softmax_dropout_and_product_are_one_kernel_close_to_unfused(scor
     def attention_weights_product(fuse_matmul):
         def product(scores, value, key):
             with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
-                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                    torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse_matmul):
                 return jax_view(F.dropout(torch.softmax(torch_view(scores), -1), 0.5) @ torch_view(value))
         return jax.jit(product)
 
@@ -106,7 +108,7 @@ def test_traced_eager_attention_of_query_and_key_is_one_attention_kernel_close_t
     def eager_attention(fuse_matmul):
         def attention(q, k, v, mask, key):
             with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
-                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                    torch_pallas.route_dropout(impl="threefry", fuse_matmul=fuse_matmul):
                 q, k, v, mask = (torch_view(t) for t in (q, k, v, mask))
                 scores = torch.matmul(q, k.transpose(-1, -2)) / 8.0 + mask
                 return jax_view(F.dropout(F.softmax(scores, dim=-1), 0.5) @ v)

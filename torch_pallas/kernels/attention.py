@@ -824,7 +824,9 @@ def noise_words(key_data, impl, shard_offset):
 
 def resolve_static(problem, blocks, *, dropout_p, impl, causal, scale, interpret, backward, global_shape,
                    max_planes=MAX_PLANES):
-    blocks = resolve_blocks(blocks, problem, impl=impl, interpret=interpret, backward=backward, max_planes=max_planes)
+    # Without dropout nothing is drawn, so no impl's tiles constrain the blocks.
+    blocks = resolve_blocks(blocks, problem, impl=impl if dropout_p > 0 else prng.THREEFRY, interpret=interpret,
+                            backward=backward, max_planes=max_planes)
     global_batch = None if global_shape is None else tuple(global_shape[:-2])
     total_planes = problem.size if global_batch is None else math.prod(global_batch)
     wide = impl == prng.THREEFRY and total_planes * problem.L * problem.S > 2**32
@@ -844,7 +846,7 @@ def _check_options(dropout_p, impl, interpret):
 
 
 def attention_forward(key_data, query, key, value, bias=None, *, dropout_p: float = 0.0,
-                      impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
+                      impl: str = prng.DROPOUT_DEFAULT, causal: bool = False, scale: float | None = None,
                       gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
                       global_shape=None, shard_offset=None, result_dtype=None):
     """The attention output and the float32 row log-sum-exp ``(*batch, L)`` (``inf`` for a
@@ -1089,7 +1091,7 @@ def _sum_to(grad, shape):
 
 
 def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=None, *, dropout_p: float = 0.0,
-                       impl: str = prng.THREEFRY, causal: bool = False, scale: float | None = None,
+                       impl: str = prng.DROPOUT_DEFAULT, causal: bool = False, scale: float | None = None,
                        gqa: bool = False, interpret: bool, blocks: AttentionBlocks | None = None,
                        bias_grad: bool = False, global_shape=None, shard_offset=None):
     """Gradients of :func:`attention_forward`'s output with respect to query, key and value
@@ -1187,7 +1189,7 @@ def attention_backward(key_data, query, key, value, out, lse, grad_out, bias=Non
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
-def attention(key_data, query, key, value, bias, dropout_p=0.0, impl=prng.THREEFRY, causal=False, scale=None,
+def attention(key_data, query, key, value, bias, dropout_p=0.0, impl=prng.DROPOUT_DEFAULT, causal=False, scale=None,
               gqa=False, interpret=True, blocks=None, backward_blocks=None):
     """:func:`attention_forward`'s output, differentiable with ``jax.grad`` (query, key,
     value; a float bias too) through :func:`attention_backward` with ``backward_blocks``."""

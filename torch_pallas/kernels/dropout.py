@@ -40,7 +40,7 @@ def _apply_mask(bits, values, *residual, impl, keep_probability):
     return out.astype(values.dtype)
 
 
-def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
+def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
             blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False,
             global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
     """``where(bernoulli(key, 1 - p, x.shape), x / (1 - p), x * 0)`` in one Pallas kernel.
@@ -73,7 +73,7 @@ def dropout(key_data: jax.Array, x: jax.Array, *, p: float, impl: str = prng.THR
                    shared_over_first_dim=shared_over_first_dim, global_shape=global_shape, shard_offset=shard_offset)
 
 
-def dropout_add(key_data: jax.Array, x: jax.Array, residual: jax.Array, *, p: float, impl: str = prng.THREEFRY,
+def dropout_add(key_data: jax.Array, x: jax.Array, residual: jax.Array, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
                 interpret: bool, blocks: tiling.ElementwiseBlocks | None = None, shared_over_first_dim: bool = False,
                 global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
     """``residual + dropout(key_data, x)`` in one Pallas kernel, computed in float32 and rounded

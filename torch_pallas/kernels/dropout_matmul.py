@@ -175,7 +175,7 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax,
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = prng.THREEFRY, interpret: bool,
+def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
                            blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
     """``dropout(weights, p) @ value`` in one kernel (see the module docstring).
 
@@ -254,7 +254,7 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
         grad_v_ref[...] = grad_v_acc[...].astype(grad_v_ref.dtype)
 
 
-def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, impl: str = prng.THREEFRY,
+def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
                             interpret: bool, blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
     """Gradients of :func:`dropout_matmul_forward` with respect to the weights and the value,
     given the same key, options and the output's gradient ``(*batch, L, Ev)``, in one kernel.

@@ -189,7 +189,7 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
             f"its noise is drawn per {seed_tile} tile of the whole tensor's "
             f"{numel // global_cols}x{global_cols} view, so a shard must be a contiguous run of "
             f"{band}-element bands of it (split the first dims only, in whole bands); "
-            f'use impl="threefry" (the default)')
+            f'use impl="threefry" (drawn per element)')
     size = part[0]
     rows, cols = (1, size) if numel == global_cols else (size // global_cols, global_cols)
     if shared_row:
@@ -209,7 +209,7 @@ def _swaps_first_dims(shape, global_shape, shared_over_first_dim: bool, impl: st
         raise ValueError(
             f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
             f"its noise is drawn per tile of the tensor seen with its first two dims swapped, as XLA lays it "
-            f'out on TPU, so it cannot be split; use impl="threefry" (the default)')
+            f'out on TPU, so it cannot be split; use impl="threefry" (drawn per element)')
     return swapped
 
 

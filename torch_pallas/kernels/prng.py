@@ -50,6 +50,12 @@ THREEFRY = "threefry"
 HARDWARE = "hardware"
 TILED = "tiled"
 IMPLS = (THREEFRY, HARDWARE, TILED)
+# The impl of each kind of op called without one. Masks (dropout and every op built on it) draw
+# with the tiled impl: the same bits on every device, and the fast one that does (libtpu's
+# schedule: bench/results/tpu_cost.md, tpu_step.md). Samples draw with threefry: being
+# jax.random's bits is what uniform/normal/bernoulli are for.
+DROPOUT_DEFAULT = TILED
+SAMPLING_DEFAULT = THREEFRY
 # The impls whose noise is drawn per tile of the 2-D view (tiling.hardware_tile, and per batch
 # plane attention.attention_tile): kernels walk blocks of whole tiles for both.
 PER_TILE_IMPLS = (HARDWARE, TILED)

@@ -36,7 +36,7 @@ def check_distribution(distribution: str) -> str:
 
 
 def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, p: float = 0.5,
-           impl: str = prng.THREEFRY, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
+           impl: str = prng.SAMPLING_DEFAULT, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
            global_shape=None, shard_offset: jax.Array | None = None) -> jax.Array:
     """Samples a tensor of ``shape`` from ``distribution`` in one Pallas kernel.
 

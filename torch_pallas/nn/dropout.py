@@ -37,12 +37,13 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
     and the reference for dropout here: :func:`torch_pallas.dropout` is this module as a
     function. Each call draws a fresh key (:ref:`where keys come from <key-sources>`) and the
     backward pass regenerates the mask from that 8-byte key instead of storing it: the
-    autograd graph keeps 8 bytes per call instead of a mask as large as the input. An element
-    is kept when its float32 uniform number is below ``float32(1 - p)``; with
-    ``impl="threefry"`` the mask is bit for bit ``jax.random.bernoulli(key, 1 - p,
-    input.shape)``, whatever the device or the kernels' block sizes (:ref:`dropout's mask
-    <dropout-mask>`). As torch's dropout computes ``input * mask``, a dropped NaN or infinity
-    gives NaN, forward and backward, not 0. A float64 input gets the mask float32 gets from
+    autograd graph keeps 8 bytes per call instead of a mask as large as the input. The mask
+    is the same whatever the device, the stack or the kernels' block sizes: with the default
+    ``impl="tiled"`` an element is kept when its 16-bit uniform number is at least
+    ``round(p * 65536)``; with ``impl="threefry"`` when its float32 uniform number is below
+    ``float32(1 - p)``, bit for bit ``jax.random.bernoulli(key, 1 - p, input.shape)``
+    (:ref:`dropout's mask <dropout-mask>`). As torch's dropout computes ``input * mask``, a
+    dropped NaN or infinity gives NaN, forward and backward, not 0. A float64 input gets the mask float32 gets from
     the same key (the kernel draws it; Mosaic has no float64), applied in float64. A sharded
     input runs shard by shard on its devices, forward and backward, the output and gradient
     keep its sharding, and the mask is the unsharded one. In ``eval()`` mode it returns its
@@ -55,9 +56,10 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         inplace (bool): write the result into the input and return it, as
             :class:`torch.nn.Dropout` does (the gradient still flows through the mask).
             Default: ``False``.
-        impl (str, optional): the noise generator, ``"threefry"``, ``"tiled"`` or
+        impl (str, optional): the noise generator, ``"tiled"``, ``"threefry"`` or
             ``"hardware"`` (TPU only) (:ref:`noise generators <noise-impls>`); default
-            :func:`torch_pallas.random.get_default_impl`, read at each call.
+            :func:`torch_pallas.random.get_default_impl` (``"tiled"`` unless changed), read
+            at each call.
         mesh, partition_spec: in SPMD mode, how the input is sharded (as ``xs.mark_sharding``
             takes them; a ``jax.sharding.Mesh`` on torchax), resolved when the module is
             built: the kernel then runs on each device's shard, also under ``torch.compile``

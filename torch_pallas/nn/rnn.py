@@ -55,6 +55,8 @@ class IndRNN(torch.nn.Module):
         mesh, partition_spec: in SPMD mode, how a padded batched input is sharded (in its own layout, batch
             first or not; time must not be split): every layer's recurrence and dropout then
             run on each device's shard, also under ``torch.compile``. Give both or neither.
+        impl (str, optional): the dropout's noise generator, as :class:`torch_pallas.nn.Dropout`
+            takes it (default :func:`torch_pallas.random.get_default_impl`, read at each call).
 
     Parameters (for layer ``k``; ``_reverse`` suffix for the backward direction):
         weight_ih_l{k}: ``(hidden_size, input_size)`` for ``k = 0``, else
@@ -86,7 +88,7 @@ class IndRNN(torch.nn.Module):
             a new packed shape and compiles anew.
 
     Raises:
-        ValueError: bad sizes, ``nonlinearity``, ``dropout`` or ``recurrent_max_abs`` at
+        ValueError: bad sizes, ``nonlinearity``, ``dropout``, ``recurrent_max_abs`` or ``impl`` at
             construction; in :meth:`forward`, as :class:`torch.nn.RNN`: an input or ``hx``
             whose dtype is not the parameters' (unless autocast is on; integer inputs such
             as token ids always), an input with no time step, input or ``hx`` of the wrong
@@ -103,8 +105,10 @@ class IndRNN(torch.nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "relu",
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  recurrent_max_abs: float | None = None, *, device=None, dtype=None, mesh=None,
-                 partition_spec=None):
+                 partition_spec=None, impl=None):
         super().__init__()
+        _checks.resolve_impl(impl)
+        self.impl = impl
         if mesh is not None and partition_spec is not None and len(partition_spec) != 3:
             raise ValueError(f"partition_spec must describe the 3-D input, got {partition_spec!r}")
         self.mesh, self.partition_spec = mesh, None if partition_spec is None else tuple(partition_spec)
@@ -230,8 +234,8 @@ class IndRNN(torch.nn.Module):
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
-                sequence = dropout_under_sharding(sequence, self.dropout, True, False, shared_over_first_dim=True,
-                                                  sharding=self._sharding)
+                sequence = dropout_under_sharding(sequence, self.dropout, True, False, impl=self.impl,
+                                                  shared_over_first_dim=True, sharding=self._sharding)
 
         h_n = torch.stack(last_states)
         if packed:
@@ -304,7 +308,7 @@ class IndRNN(torch.nn.Module):
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"
         defaults = {"num_layers": 1, "nonlinearity": "relu", "bias": True, "batch_first": False, "dropout": 0.0,
-                    "bidirectional": False, "recurrent_max_abs": None, "partition_spec": None}
+                    "bidirectional": False, "recurrent_max_abs": None, "partition_spec": None, "impl": None}
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 text += f", {name}={getattr(self, name)!r}"

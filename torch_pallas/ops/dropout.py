@@ -13,7 +13,7 @@ import torch
 
 from torch_pallas import bridge
 from torch_pallas.ops import _autograd
-from torch_pallas.kernels import dropout as dropout_kernels
+from torch_pallas.kernels import dropout as dropout_kernels, prng
 from torch_pallas.kernels.tiling import ElementwiseBlocks
 
 
@@ -94,14 +94,18 @@ def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim,
     x_dim, key_dim = in_dims[:2]
     options = (p, impl)
     samples = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-    if key_dim is not None:
+    # One key for the batch (randomness="same", or a seed) with a per-tile impl: a sample's mask
+    # is drawn per tile of the sample's own 2-D view, which a mask shared over a batch (drawn per
+    # tile of one row) is not, so each sample runs the unbatched op, as with a key per sample.
+    per_sample = key_dim is not None or (prng.per_tile(impl) and not shared_over_first_dim)
+    if per_sample:
         # A key per sample (vmap's randomness="different"): each sample is the unbatched op
         # with its own key, so vmap(f)(xs)[i] == f(xs[i]) with the i-th key.
-        keys = key_data.movedim(key_dim, 0)
+        keys = key_data.movedim(key_dim, 0) if key_dim is not None else [key_data] * len(samples)
         return torch.stack([dropout(sample, key, *options, shared_over_first_dim, blocks, backward_blocks)
                             for sample, key in zip(samples, keys)]), 0
-    # One key for the batch (randomness="same", or a seed): every sample gets the same mask,
-    # the unbatched op's, drawn once and shared over the flattened leading dims.
+    # Otherwise every sample gets the same mask, the unbatched op's, drawn once and shared over
+    # the flattened leading dims.
     leading = 2 if shared_over_first_dim else 1
     flat = samples.reshape(-1, *samples.shape[leading:])
     return dropout(flat, key_data, *options, True, None, None).reshape(samples.shape), 0

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import hlo_dump
 import torch_pallas
 from attention_cases import sharded_case
+from reference import keep_probability
 
 ENV = torchax.default_env()
 MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
@@ -62,22 +63,24 @@ def runs_per_shard(modules, shard):
     return any("num_partitions=4" in text and shape in text.split("\n", 1)[0] for text in modules)
 
 
-DROPOUT_CASES = [("4x1", (16, 512), ("data", None)), ("2x2", (16, 512), ("data", "model")),
-                 ("1x4", (8, 4, 256), (None, None, "model")), ("2x2", (8, 4, 256), ("data", None, "model"))]
+# Threefry, drawn per element, takes any split; the default impl (tiled) whole bands of its (64, 1024) tiles.
+DROPOUT_CASES = [("4x1", (16, 512), ("data", None), "threefry"), ("2x2", (16, 512), ("data", "model"), "threefry"),
+                 ("1x4", (8, 4, 256), (None, None, "model"), "threefry"),
+                 ("2x2", (8, 4, 256), ("data", None, "model"), "threefry"), ("4x1", (256, 1024), ("data", None), None)]
 
 
-@pytest.mark.parametrize("mesh,shape,spec", DROPOUT_CASES, ids=[f"{m}-{'x'.join(map(str, s))}-{p}"
-                                                               for m, s, p in DROPOUT_CASES])
-def test_dropout_mask_and_gradient_are_the_unsharded_ones_without_all_gather(mesh, shape, spec):
+@pytest.mark.parametrize("mesh,shape,spec,impl", DROPOUT_CASES, ids=[f"{m}-{'x'.join(map(str, s))}-{p}-{i or 'default'}"
+                                                                    for m, s, p, i in DROPOUT_CASES])
+def test_dropout_mask_and_gradient_are_the_unsharded_ones_without_all_gather(mesh, shape, spec, impl):
     values = torch.rand(shape) + 0.5
     with ENV:
-        expected = torch_pallas.dropout(on_jax(values), 0.4, seed=7)
+        expected = torch_pallas.dropout(on_jax(values), 0.4, seed=7, impl=impl)
     x = on_jax(values, mesh_of(mesh), spec).requires_grad_()
     results = []
 
     def run():
         with ENV:
-            y = torch_pallas.dropout(x, 0.4, seed=7)
+            y = torch_pallas.dropout(x, 0.4, seed=7, impl=impl)
             y.backward(torch.ones(shape, device="jax"))
         results.extend([y, x.grad])
 
@@ -85,7 +88,8 @@ def test_dropout_mask_and_gradient_are_the_unsharded_ones_without_all_gather(mes
     y, grad = results
     assert same_sharding(y, x) and same_sharding(grad, x)
     assert np.array_equal(bits(y), bits(expected))
-    np.testing.assert_array_equal(np.asarray(array(grad)), (np.asarray(array(expected)) != 0) / np.float32(0.6))
+    np.testing.assert_array_equal(np.asarray(array(grad)),
+                                  (np.asarray(array(expected)) != 0) / keep_probability(0.4, impl or "tiled"))
     shard = [size // tiles for size, tiles in zip(shape, [MESHES[mesh][("data", "model").index(axis)] if axis else 1
                                                             for axis in spec])]
     assert runs_per_shard(modules, shard) and hlo_dump.all_gather_sizes(modules) == []
