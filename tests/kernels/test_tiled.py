@@ -84,13 +84,16 @@ SHAPES = [
 ]
 
 
+# Each tile hashed whole, and 8 hash-grid rows at a time (what jax 0.7.1's kernels compile for TPU:
+# compat.TILED_HASH_IN_PIECES; in interpret mode only here).
+@pytest.mark.parametrize("in_pieces", [False, True], ids=["whole", "in-pieces"])
 @pytest.mark.parametrize("shape,uniform_bits,blocks", SHAPES, ids=[f"{case[0]}-{case[1]}" for case in SHAPES])
-def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, uniform_bits, blocks):
+def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, uniform_bits, blocks, in_pieces):
     expected = tiled_bits(1234, shape, uniform_bits)
     mask = np.uint32(0xFFFFFFFF) if uniform_bits == 32 else TOP_HALF
     assert len(np.unique(expected)) > min(expected.size, 2**uniform_bits) // 2
     for block in blocks:
-        got = raw_bits(shape, uniform_bits=uniform_bits, blocks=block)
+        got = raw_bits(shape, uniform_bits=uniform_bits, blocks=block, tiled_hash_in_pieces=in_pieces)
         np.testing.assert_array_equal(got & mask, expected, err_msg=str(block))
 
 

@@ -22,7 +22,7 @@ from torch_pallas.kernels import calls, compat, prng, tiling
 
 
 def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, outer_stride, sharded, wide,
-                  chunk_shape, column_major_grid, uniform_bits):
+                  chunk_shape, column_major_grid, uniform_bits, tiled_hash_in_pieces):
     offset_ref, refs = (refs[0], refs[1:]) if sharded else (None, refs)
     *operand_refs, out_ref = refs
     block_rows, block_cols = out_ref.shape
@@ -60,7 +60,7 @@ def _noise_kernel(key_data_ref, *refs, impl, transform, row_stride, view_cols, o
             bits = prng.chunk_bits(impl, key_data_ref, (drawn_rows, chunk_cols), 0, col0 + col_offset,
                                    view_cols, base, wide, uniform_bits)
             bits = jnp.broadcast_to(bits[:1], chunk_shape)
-        elif impl == prng.TILED and compat.TILED_HASH_IN_PIECES:
+        elif impl == prng.TILED and tiled_hash_in_pieces:
             def write(piece_rows, piece_cols, bits):
                 out_ref[piece_rows, piece_cols] = transform(
                     bits, *(operand_ref[piece_rows, piece_cols] for operand_ref in operand_refs))
@@ -247,7 +247,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
               impl: str, interpret: bool, blocks: tiling.ElementwiseBlocks | None = None,
               shared_over_first_dim: bool = False, global_shape=None,
               shard_offset: jax.Array | None = None, name: str = "noise",
-              element_cost: tuple[int, int] = (0, 0), uniform_bits: int = 32) -> jax.Array:
+              element_cost: tuple[int, int] = (0, 0), uniform_bits: int = 32,
+              tiled_hash_in_pieces: bool | None = None) -> jax.Array:
     """``transform(bits, *operands)`` over a tensor of ``shape``, in one Pallas kernel.
 
     Element ``i`` (row-major) gets the random bits of flat index ``i`` under ``impl`` (the
@@ -278,6 +279,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
             cost estimate (the noise's own work is added).
         uniform_bits: how many top bits of each element's bits ``transform`` reads: 32, or
             :data:`prng.DROPOUT_BITS` (the tiled impl then fills four elements per hash).
+        tiled_hash_in_pieces: whether the tiled impl draws each tile 8 hash-grid rows at a time
+            (the same bits); default :data:`compat.TILED_HASH_IN_PIECES`. Tests draw both ways
+            on either JAX version.
 
     Raises:
         ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, a per-tile impl on a
@@ -295,7 +299,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
                         tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
                         interpret=interpret, blocks=blocks,
                         global_shape=_swap_first_dims(global_shape) if sharded else None,
-                        shard_offset=shard_offset, name=name, element_cost=element_cost, uniform_bits=uniform_bits)
+                        shard_offset=shard_offset, name=name, element_cost=element_cost, uniform_bits=uniform_bits,
+                        tiled_hash_in_pieces=tiled_hash_in_pieces)
         return jnp.swapaxes(out, 0, 1)
     if sharded and tuple(shard_offset.shape) != (2,):
         raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
@@ -373,7 +378,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     kernel = functools.partial(
         _noise_kernel, impl=impl, transform=transform, row_stride=row_stride, view_cols=view_cols,
         outer_stride=outer_stride, sharded=sharded, wide=wide, column_major_grid=blocks.column_major_grid,
-        chunk_shape=chunk_shape, uniform_bits=uniform_bits)
+        chunk_shape=chunk_shape, uniform_bits=uniform_bits,
+        tiled_hash_in_pieces=compat.TILED_HASH_IN_PIECES if tiled_hash_in_pieces is None else tiled_hash_in_pieces)
     out = calls.pallas_call(
         kernel,
         name=name,
