@@ -1,6 +1,8 @@
 """Records the kernel calls a test's code makes, through the bridge every kernel passes, and the
 calls of torch's own attention."""
 
+import re
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -25,6 +27,18 @@ def record_dropout_keys(monkeypatch) -> list:
     monkeypatch.setattr(bridge, "call", recording_call)
     return keys
 
+
+
+def kernel_calls(*tensors) -> tuple[dict, list]:
+    """The lazy graph of XLA ``tensors``, dead nodes left out: the shape of each node (``{"%3":
+    "f32[16,128]{1,0}"}``) and each torch_pallas kernel's output shape (a parenthesised tuple of
+    shapes for several outputs: attention's) and operands."""
+    import torch_xla
+
+    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    calls = [(output, [operand.strip() for operand in operands.split(",")])
+             for output, operands in re.findall(r"= (\(.*?\)|\S+) xla::torch_pallas\(([^)]*)\)", text)]
+    return dict(re.findall(r"(%\d+) = (\S+)", text)), calls
 
 
 def record_kernels(monkeypatch) -> list:

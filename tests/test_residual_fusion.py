@@ -1,9 +1,9 @@
 """Dropouts fused with what reads them: residual adds into torch_pallas.dropout_add
 (route_dropout(fuse_residual=True) on lazy XLA tensors, the "torch_pallas" backend under
-torch.compile) and eager attention's products into torch_pallas.dropout_matmul
-(route_dropout(fuse_matmul=True)), alone and in transformers models."""
+torch.compile), eager attention's products into torch_pallas.dropout_matmul and linear layers
+into torch_pallas.dropout_linear (route_dropout(fuse_matmul=True)), alone and in transformers
+models."""
 
-import re
 
 import pytest
 import torch
@@ -13,35 +13,30 @@ import torch_xla.debug.metrics as metrics
 
 import torch_pallas
 from conftest import read_together
+from kernel_calls import kernel_calls
 from torch_pallas import residual_fusion
 
 DEVICE = torch_xla.device()
 
 
-def kernel_calls(*tensors) -> tuple[dict, list]:
-    """The lazy graph of ``tensors``, dead nodes left out: the shape of each node (``{"%3":
-    "f32[16,128]{1,0}"}``) and each torch_pallas kernel's output shape (a parenthesised tuple of
-    shapes for several outputs: attention's) and operands."""
-    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
-    calls = [(output, [operand.strip() for operand in operands.split(",")])
-             for output, operands in re.findall(r"= (\(.*?\)|\S+) xla::torch_pallas\(([^)]*)\)", text)]
-    return dict(re.findall(r"(%\d+) = (\S+)", text)), calls
-
-
-def kernel_nodes(*tensors, matmul: bool = False) -> dict:
+def kernel_nodes(*tensors, matmul: bool = False, linear: bool = False) -> dict:
     """How many dropout kernels (key, x), fused dropout_add kernels (key, x, residual: the
-    output's shape) and, with ``matmul``, dropout_matmul kernels (key, weights, value: another
-    shape) the lazy graph of ``tensors`` holds: what would be compiled and run, dead nodes left
-    out. (Attention kernels take four operands or more: :func:`attention_nodes`.)"""
+    output's shape), with ``matmul`` dropout_matmul kernels (key, weights, value: another
+    shape) and with ``linear`` dropout_linear kernels (key, x, a 2-D weight) the lazy graph of
+    ``tensors`` holds: what would be compiled and run, dead nodes left out. (Attention kernels
+    take four operands or more: :func:`attention_nodes`.)"""
     shapes, calls = kernel_calls(*tensors)
-    counts = {"dropout": 0, "dropout_add": 0, "dropout_matmul": 0}
+    counts = {"dropout": 0, "dropout_add": 0, "dropout_matmul": 0, "dropout_linear": 0}
     for output, operands in calls:
         if len(operands) == 2:
             counts["dropout"] += 1
         elif len(operands) == 3:
-            counts["dropout_add" if shapes.get(operands[2]) == output else "dropout_matmul"] += 1
-    if not matmul:
-        assert counts.pop("dropout_matmul") == 0
+            third = shapes.get(operands[2], "")
+            rank = third[third.find("[") + 1:third.find("]")].count(",") + 1
+            counts["dropout_add" if third == output else "dropout_linear" if rank == 2 else "dropout_matmul"] += 1
+    for kind, wanted in (("dropout_matmul", matmul), ("dropout_linear", linear)):
+        if not wanted:
+            assert counts.pop(kind) == 0, kind
     return counts
 
 
@@ -181,6 +176,32 @@ def test_fused_matmul_has_the_unfused_mask_values_and_gradients_and_one_kernel(f
         assert kernel_nodes(out, matmul=True) == {"dropout": int(not fuse), "dropout_add": 0,
                                                   "dropout_matmul": int(fuse)}
         results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (w, v))]
+    for unfused, fused in zip(*read_together(results[False], results[True])):
+        assert torch.equal(unfused, fused)  # integers: every sum exact
+
+
+# A linear layer after its input's dropout (LoRA's lora_A(dropout(x)), T5's wo(dropout(h))): an
+# nn.Dropout routed as F.dropout, or converted to torch_pallas.nn.Dropout.
+LINEAR_DROPOUTS = {"routed": lambda: torch.nn.Dropout(0.5), "converted": lambda: torch_pallas.nn.Dropout(0.5)}
+
+
+@pytest.mark.parametrize("dropout", LINEAR_DROPOUTS)
+def test_linear_of_a_dropout_is_one_kernel_with_its_mask_values_and_gradients(dropout):
+    """The default impl (tiled): the fused kernel draws the dropout's own mask."""
+    x, weights = integers(2, 16, 256).requires_grad_(), integers(2, 16, 16)
+    linear = torch.nn.Linear(256, 16).to(DEVICE)
+    with torch.no_grad():
+        linear.weight.copy_(integers(16, 256))
+        linear.bias.copy_(integers(16))
+    results = {}
+    for fuse in (False, True):
+        torch_xla.manual_seed(3)
+        with torch_pallas.route_dropout(fuse_matmul=fuse):
+            out = linear(LINEAR_DROPOUTS[dropout]()(x))
+        _, calls = kernel_calls(out)
+        # Fused: one kernel reading (key, x, weight), the dropout's own kernel dead.
+        assert [len(operands) for _, operands in calls] == [3 if fuse else 2]
+        results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (x, linear.weight, linear.bias))]
     for unfused, fused in zip(*read_together(results[False], results[True])):
         assert torch.equal(unfused, fused)  # integers: every sum exact
 
@@ -436,7 +457,8 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
 @pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
 def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmul(make_model):
     """With eager attention every layer's softmax, dropout of its attention weights and product
-    with the values are one kernel (T5's too); the other dropouts are as with sdpa. BERT's,
+    with the values are one kernel (T5's too), and T5's feed-forward dropout and wo another; the
+    other dropouts are as with sdpa. BERT's,
     ViT's and GPT-2's scores are q @ k.T scaled by a number (GPT-2's a 0-dim torch.full),
     masked after (GPT-2: a causal selection, then the additive mask): their whole attention is
     one attention kernel. T5 adds its position bias in place: dropout_matmul takes its scores."""
@@ -449,8 +471,11 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
     fused, standalone = FUSED_AND_STANDALONE[make_model]
     layers = 2
     whole = make_model is not t5
-    assert kernel_nodes(hidden, matmul=True) == {"dropout": standalone - (layers if make_model is t5 else 0),
-                                                 "dropout_add": fused, "dropout_matmul": 0 if whole else layers}
+    # T5's feed-forward wo(dropout(relu(wi(h)))) is one dropout_linear kernel per layer too.
+    t5_linears = 0 if whole else layers
+    assert kernel_nodes(hidden, matmul=True, linear=True) == {
+        "dropout": standalone - (0 if whole else layers) - t5_linears, "dropout_add": fused,
+        "dropout_matmul": 0 if whole else layers, "dropout_linear": t5_linears}
     assert attention_nodes(hidden) == (layers if whole else 0)
     assert not has_softmax(hidden)  # each layer's softmax is in its kernel too
 

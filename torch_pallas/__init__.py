@@ -10,9 +10,9 @@ and :mod:`torch_pallas.tpu_schedule`; the package then imports nothing itself, a
 names raise an ImportError that says so.
 """
 
-__all__ = ["checkpoint", "dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn",
-           "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention", "nn", "packing",
-           "random", "seeds"]
+__all__ = ["checkpoint", "dropout", "dropout_add", "dropout_linear", "dropout_matmul", "dropout1d", "dropout2d",
+           "dropout3d", "indrnn", "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention",
+           "nn", "packing", "random", "seeds"]
 __version__ = "0.2.0"
 
 try:
@@ -31,7 +31,8 @@ if _torch_missing is None:
     from torch_pallas import nn  # noqa: F401
     from torch_pallas.attention import scaled_dot_product_attention
     from torch_pallas.checkpointing import checkpoint
-    from torch_pallas.functional import dropout, dropout1d, dropout2d, dropout3d, dropout_add, dropout_matmul, indrnn
+    from torch_pallas.functional import (dropout, dropout1d, dropout2d, dropout3d, dropout_add, dropout_linear,
+                                         dropout_matmul, indrnn)
     from torch_pallas.nn import convert_dropout
     from torch_pallas.routing import route_dropout
     from torch_pallas.transformers_attention import register_attention  # imports transformers only when called

@@ -9,11 +9,14 @@ import torch
 
 from torch_pallas import _checks, bridge, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
+from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
 from torch_pallas.kernels.dropout_matmul import check_shapes as check_matmul_shapes
 from torch_pallas.sharding import Sharding
-from torch_pallas.ops import dropout as dropout_ops, dropout_matmul as dropout_matmul_ops, indrnn as indrnn_ops
+from torch_pallas.ops import (dropout as dropout_ops, dropout_linear as dropout_linear_ops,
+                              dropout_matmul as dropout_matmul_ops, indrnn as indrnn_ops)
 
-__all__ = ["dropout", "dropout_add", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d", "indrnn"]
+__all__ = ["dropout", "dropout_add", "dropout_linear", "dropout_matmul", "dropout1d", "dropout2d", "dropout3d",
+           "indrnn"]
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=None,
@@ -103,6 +106,13 @@ class DrawnDropout(NamedTuple):
         return dropout_ops.apply_add(self.x, residual, self.key_data, p=self.p, impl=self.impl,
                                      sharding_text=self.sharding_text)
 
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(self.output(), weight, bias)``: in one kernel when :func:`fuses_linear` says so."""
+        if self.key_data is None or not fuses_linear(self, weight):
+            return torch.nn.functional.linear(self.output(), weight, bias)
+        out = dropout_linear_ops.apply(self.x, weight, self.key_data, p=self.p, impl=self.impl)
+        return out if bias is None else out + bias
+
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
         """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
         if self.key_data is not None and fuses_matmul(self, value):
@@ -124,6 +134,17 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     except ValueError:
         return False
     return True
+
+
+def fuses_linear(drawn: DrawnDropout, weight) -> bool:
+    """Whether ``F.linear(drawn.output(), weight)`` runs as one dropout_linear kernel: a 2-D
+    weight of the input's dtype (a kernel's: not float64) and device, a mask over the whole
+    unsharded input, drawn over its rows (:func:`kernels.dropout_linear.takes`)."""
+    x = drawn.x
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == x.dtype
+            and weight.device == x.device and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
+            and drawn.sharding_text is None and sharding.resolve(weight) is None
+            and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl))
 
 
 def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shared_over_first_dim: bool,
@@ -236,6 +257,65 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
         raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
     drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
     return torch.matmul(weights, value) if drawn is None else drawn.multiplied_by(value)
+
+
+def dropout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, p: float = 0.5,
+                   training: bool = True, *, seed=None, generator=None, impl=None) -> torch.Tensor:
+    r"""Returns ``F.linear(dropout(x, p), weight, bias)`` computed in one kernel: a linear layer
+    after its input's dropout, as PEFT's LoRA computes ``lora_A(dropout(x))``, T5's feed-forward
+    ``wo(dropout(h))`` or a classifier head after its dropout.
+
+    Apart, the dropout writes the dropped ``x``, the product reads it back, and autograd keeps it
+    for the weight's gradient: a copy of ``x`` per layer that drops it. Fused, the kernel reads
+    ``x`` once and the backward kernel regenerates the mask from the 8-byte key, keeping only
+    ``x`` (which layers dropping one ``x`` with their own keys share) and the weight. The mask is
+    :func:`dropout`'s for the same key, bit for bit, on every impl; a kept element is ``x / (1 -
+    p)`` rounded to ``x``'s dtype, as :func:`dropout` writes it; the products accumulate in
+    float32, and the weight's gradient is summed in float32 and rounded once.
+
+    One kernel runs for ``x (..., K)`` and ``weight (N, K)`` of one dtype among float32, bfloat16
+    and float16, on one device, not split by SPMD sharding, whose rows ``(M, K)`` are the dropout's
+    own view of ``x`` (with the per-tile impls, ``"tiled"`` and ``"hardware"``: ``K`` a multiple
+    of 128, at least 8 rows, and not a 3-D ``(B, L, C)`` whose ``L`` is not a multiple of 8 while
+    ``B`` is). Any other pair :func:`torch.nn.functional.linear` takes is computed as
+    ``F.linear(dropout(x, p), weight, bias)``: the same values and mask.
+
+    Args:
+        x (Tensor): what is dropped, as for :func:`dropout`: ``(..., K)``.
+        weight (Tensor): ``(N, K)``, of ``x``'s dtype and device.
+        bias (Tensor, optional): ``(N,)``, added to the product.
+        p, training, seed, generator, impl: as for :func:`dropout`.
+
+    Returns:
+        Tensor: ``(..., N)`` (``F.linear(x, weight, bias)`` when nothing is dropped:
+        ``training=False`` or ``p == 0``).
+
+    Raises:
+        TypeError: as :func:`dropout`, and a ``weight`` or ``bias`` that is not a tensor of
+            ``x``'s dtype.
+        ValueError: as :func:`dropout`, and a ``weight`` that is not ``(N, K)``, a ``bias`` that
+            is not ``(N,)``, or either on another device than ``x``.
+
+    Example::
+
+        >>> lora_down = torch_pallas.dropout_linear(hidden, lora_A.weight, p=0.1)   # lora_A(dropout(hidden))
+    """
+    _checks.check_tensor(x, "x")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is None and name == "bias":
+            continue
+        _checks.check_tensor(tensor, name)
+        if tensor.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensor.dtype}")
+        if tensor.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")
+    if x.dim() == 0 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be (N, K) for x (..., K), got {tuple(weight.shape)} for x of shape "
+                         f"{tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be ({weight.shape[0]},), one per output feature, got {tuple(bias.shape)}")
+    drawn = draw_dropout(x, p, training, seed, generator, impl, False, sharding.resolve(x))
+    return torch.nn.functional.linear(x, weight, bias) if drawn is None else drawn.linear(weight, bias)
 
 
 def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_dims: int):

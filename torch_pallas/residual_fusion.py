@@ -5,7 +5,10 @@ weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout
 the softmax before it when the weights are a remembered softmax of scores
 (``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`), and the whole of it as
 :func:`torch_pallas.scaled_dot_product_attention` when the scores are a remembered
-``query @ key.transpose(-2, -1)``, scaled and masked (:func:`remembered_scores`).
+``query @ key.transpose(-2, -1)``, scaled and masked (:func:`remembered_scores`); and a linear
+layer reading a dropout's output (``F.linear(dropout(x), weight, bias)``: LoRA's
+``lora_A(dropout(x))``, T5's ``wo(dropout(h))``) as :func:`torch_pallas.dropout_linear`
+(:func:`fused_linear`).
 
 A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
 memory and read it back, a pass over the tensor that the fused kernel saves. How the add is
@@ -306,6 +309,32 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
         # softmax, dropout and product in one kernel: only the scores are kept for the backward pass.
         return dropout_matmul_ops.apply(scores, args[1], drawn.key_data, p=drawn.p, impl=drawn.impl, softmax=True)
     return drawn.multiplied_by(args[1])
+
+
+_LINEAR_SIGNATURE = inspect.signature(lambda input, weight, bias=None: None)
+
+
+def fused_linear(args, kwargs) -> torch.Tensor | None:
+    """``F.linear(*args, **kwargs)`` of a remembered dropout's output as ``dropout_linear`` with
+    the dropout's key (bit for bit its mask, on every impl): the kernel reads the dropout's
+    input, and autograd keeps that input instead of the dropped copy. ``None`` when it is not
+    such a call, or a bias of another dtype, device or shape (torch's linear then runs, and
+    raises where it would), or under ``torch.func``'s transforms and forward-mode AD, which the
+    fused op's backward kernel does not serve."""
+    if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
+        return None
+    try:
+        call = _LINEAR_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return None  # torch will raise its own error
+    input, weight, bias = (call.arguments.get(name) for name in ("input", "weight", "bias"))
+    found = _drawn_dropout_of(input)
+    if found is None or not functional.fuses_linear(found[1], weight):
+        return None
+    if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dtype == input.dtype
+                                 and bias.device == input.device and tuple(bias.shape) == (weight.shape[0],)):
+        return None
+    return found[1].linear(weight, bias)
 
 
 def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:

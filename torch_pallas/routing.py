@@ -75,7 +75,12 @@ class route_dropout(TorchFunctionMode):
             added mask of their dtype that broadcasts to them (BERT's, ViT's and GPT-2's eager
             attention), the whole attention runs
             as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
-            same mask), and nothing of size ``L x S`` is kept. With ``impl="threefry"``
+            same mask), and nothing of size ``L x S`` is kept. Also ``F.linear`` (every
+            ``nn.Linear``) of such an output as :func:`torch_pallas.dropout_linear`: the
+            dropout's mask bit for bit on every impl, and autograd keeps the dropout's input,
+            not the dropped copy (PEFT's LoRA ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``);
+            converted :class:`torch_pallas.nn.Dropout` modules are fused as routed ``F.dropout``
+            calls are. For the attention products: with ``impl="threefry"``
             the same mask; with ``impl="tiled"`` (the default) or ``"hardware"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
@@ -134,6 +139,10 @@ class route_dropout(TorchFunctionMode):
                 return fused
             if self.fuse_matmul:
                 return residual_fusion.remembered_scores(func, args, kwargs)
+        elif self.fuse_matmul and func is F.linear and not torch.compiler.is_compiling():
+            fused = residual_fusion.fused_linear(args, kwargs)
+            if fused is not None:
+                return fused
         elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_matmul(func, args, kwargs)
             return fused if fused is not None else residual_fusion.remembered_scores(func, args, kwargs)
@@ -156,6 +165,19 @@ class route_dropout(TorchFunctionMode):
                     # No state kept here, so that dynamo has nothing to guard on and recompile for.
                     _checks.warn(_SDPA_WARNING.format(reason=refusal), stacklevel=2)
         return func(*args, **kwargs)
+
+
+def fusing_route() -> route_dropout | None:
+    """The innermost active :class:`route_dropout` if it fuses (``fuse_residual`` or
+    ``fuse_matmul``), for dropouts that are not torch functions (:class:`torch_pallas.nn.Dropout`)
+    to be fused as routed ones are; ``None`` outside one and while dynamo traces. Reads torch's
+    private ``torch.overrides._get_current_function_mode_stack`` (torch 2.9 to 2.14)."""
+    if torch.compiler.is_compiling():
+        return None
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, route_dropout):
+            return mode if mode.fuse_residual or mode.fuse_matmul else None
+    return None
 
 
 # A front end that takes SDPA at torch-function level (torchax's function mode, entered again

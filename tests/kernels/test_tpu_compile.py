@@ -19,7 +19,8 @@ import pytest
 
 from conftest import NEEDS_LIBTPU, ON_TPU, crossed
 from hlo_dump import tpu_kernels
-from torch_pallas.kernels import attention, calls, compat, dropout, dropout_matmul, indrnn, prng, sampling
+from torch_pallas.kernels import (attention, calls, compat, dropout, dropout_linear, dropout_matmul, indrnn, prng,
+                                  sampling)
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
 
@@ -357,6 +358,26 @@ def test_dropout_matmul(generation, impl, dtype, names=tuple(DROPOUT_MATMUL_SHAP
                      weights, value, generation=generation)
 
 
+# x's shape and N: LoRA's down-projection (rank 16) of 4096 rows of 1024 features, T5's
+# feed-forward output (d_ff 3072 to 768) over 2 x 512 tokens, and rows that end inside a tile.
+DROPOUT_LINEAR_SHAPES = {"lora": ((4096, 1024), 16), "t5-wo": ((2, 512, 3072), 768), "ragged": ((100, 1024), 16)}
+
+
+def dropout_linear_forward_and_backward(key_data, x, weight, **options):
+    out = dropout_linear.dropout_linear_forward(key_data, x, weight, interpret=False, **options)
+    return out, dropout_linear.dropout_linear_backward(key_data, x, weight, out, interpret=False, **options)
+
+
+@pytest.mark.parametrize("impl", MATRIX_IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16's kernels are float32's
+def test_dropout_linear(generation, impl, dtype, names=tuple(DROPOUT_LINEAR_SHAPES)):
+    for name in names:
+        shape, N = DROPOUT_LINEAR_SHAPES[name]
+        compiles(functools.partial(dropout_linear_forward_and_backward, p=0.1, impl=impl), KEY,
+                 jax.ShapeDtypeStruct(shape, DTYPES[dtype]), jax.ShapeDtypeStruct((N, shape[-1]), DTYPES[dtype]),
+                 generation=generation)
+
+
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,
 # lengths, sharded programs (tensors past 2**32 elements included) and attention's masks. Attention's
 # planes and heads in lanes at 197 tokens are the tiled configurations' (the hardware impl's per-tile
@@ -379,6 +400,8 @@ REPRESENTATIVE = {
                                      test_attention_with_a_broadcast_mask_and_gqa(generation, "float", 197, 197),
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
     "dropout_matmul": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",)),
+    "dropout_linear": lambda generation: (test_dropout_linear(generation, "threefry", "bfloat16", ("lora",)),
+                                          test_dropout_linear(generation, "hardware", "float32", ("ragged",))),
 }
 
 
@@ -430,6 +453,8 @@ TILED_CONFIGURATIONS = {
         *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
         generation=generation),
     "dropout_matmul-heads-in-lanes-128": lambda generation: _compiles_tiled_weights_in_lanes(generation, 8, 128),
+    "dropout_linear": lambda generation: (test_dropout_linear(generation, "tiled", "bfloat16", ("lora", "t5-wo")),
+                                          test_dropout_linear(generation, "tiled", "float32", ("ragged",))),
     "dropout_matmul-heads-in-lanes-197": lambda generation: _compiles_tiled_weights_in_lanes(generation, 2, 197),
 }
 TILED_ON_THE_NEWEST_ONLY = ("attention-heads-in-lanes-197", "dropout_matmul-heads-in-lanes-128")
@@ -523,6 +548,9 @@ NAMED_CASES = {
                              [KEY, float32(256, 1024), float32(256, 1024)], ["dropout_add_hardware_b256x1024"]),
     "dropout-tiled": (functools.partial(dropout.dropout, p=0.1, impl="tiled", interpret=False),
                       [KEY, float32(256, 1024)], ["dropout_tiled_b256x1024"]),
+    "dropout_linear-tiled": (functools.partial(dropout_linear_forward_and_backward, p=0.1, impl="tiled"),
+                             [KEY, float32(4096, 1024), float32(16, 1024)],
+                             ["dropout_linear_fwd_tiled_b512x1024", "dropout_linear_bwd_tiled_b512x1024"]),
     "normal": (functools.partial(sampling.normal, shape=(64, 1024), interpret=False), [KEY],
                ["sample_normal_threefry_b64x1024"]),
     "attention-causal": (functools.partial(attention_forward_and_backward, dropout_p=0.1, impl="threefry",

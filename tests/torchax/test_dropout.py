@@ -4,8 +4,10 @@ bytes, key sources, bad input."""
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 import pytest
 import torch
+from torchax.interop import jax_view, torch_view
 
 import torch_pallas
 from reference import SEEDS, dropout_keep, jax_key
@@ -141,3 +143,27 @@ def test_bad_input_raises_as_on_xla_before_any_kernel(monkeypatch, call, error, 
     monkeypatch.setattr(front_end, "call", no_kernel)
     with pytest.raises(error, match=match):
         call(x)
+
+
+def test_dropout_linear_is_the_unfused_call_eagerly_and_inside_jax_jit():
+    """torch_pallas.dropout_linear on torchax tensors: F.linear(dropout(x)) with the same seed, values
+    and gradients, eagerly and in a jitted JAX function of x and the weight."""
+    rng = np.random.default_rng(4)
+    x, weight = rng.standard_normal((2, 24, 256)).astype(np.float32), rng.standard_normal((16, 256)).astype(np.float32)
+
+    def loss(function, x, weight):
+        with ENV:
+            return jax_view(function(torch_view(x), torch_view(weight)).square().sum())
+
+    fused = lambda x, w: torch_pallas.dropout_linear(x, w, p=0.3, seed=SEEDS[1])  # noqa: E731
+    unfused = lambda x, w: torch.nn.functional.linear(torch_pallas.dropout(x, 0.3, seed=SEEDS[1]), w)  # noqa: E731
+    arrays = (jnp.asarray(x), jnp.asarray(weight))
+    expected_loss, expected_grads = jax.value_and_grad(lambda *a: loss(unfused, *a), argnums=(0, 1))(*arrays)
+    for run in (jax.value_and_grad, lambda f, **kw: jax.jit(jax.value_and_grad(f, **kw))):
+        got_loss, got_grads = run(lambda *a: loss(fused, *a), argnums=(0, 1))(*arrays)
+        np.testing.assert_allclose(np.asarray(got_loss), np.asarray(expected_loss), rtol=1e-5)
+        for got, want in zip(got_grads, expected_grads):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with ENV:
+        y = torch_pallas.dropout_linear(jax_tensor(x), jax_tensor(weight), p=0.3, seed=SEEDS[1])
+    assert y.device.type == "jax" and tuple(y.shape) == (2, 24, 16)

@@ -142,3 +142,25 @@ def test_compile_backend_names_what_to_use_on_torchax():
     # torch.compile(backend="torch_pallas") calls this (the package's entry point) with dynamo's graph.
     with pytest.raises(RuntimeError, match="compiles with torch_xla, which is not installed; on torchax, jit"):
         residual_fusion.backend(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [])
+
+
+@pytest.mark.usefixtures("in_env")
+def test_traced_linear_of_a_dropout_is_one_kernel_with_the_unfused_values():
+    """LoRA's lora_A(dropout(x)) in a JAX trace: dropout_linear with the dropout's key (the default
+    impl's mask), the dropout's own kernel dead."""
+    rng = np.random.default_rng(2)
+    x, weight = (jax_view(jax_tensor(rng.integers(-8, 8, shape).astype(np.float32))) for shape in ((2, 16, 256),
+                                                                                                    (16, 256)))
+    key = jax_view(torch_pallas.seeds.key_data(seed=3))
+
+    def lora_down(fuse_matmul):
+        def down(x, weight, key):
+            with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
+                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                return jax_view(F.linear(F.dropout(torch_view(x), 0.5), torch_view(weight)))
+        return jax.jit(down)
+
+    fused, unfused = lora_down(True), lora_down(False)
+    np.testing.assert_array_equal(np.asarray(fused(x, weight, key)), np.asarray(unfused(x, weight, key)))
+    assert kernels(fused, x, weight, key, dead_code_removed=True) == 1
+    assert "dropout_linear" in str(jax.make_jaxpr(fused)(x, weight, key))

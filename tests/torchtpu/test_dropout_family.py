@@ -1,15 +1,17 @@
-"""The rest of the dropout family on fake ``tpu`` tensors: dropout_matmul (its kernels through
-TorchTPU's jax_op, its backward formula), the channel dropouts, the nn modules, convert_dropout,
-and keys from a generator."""
+"""The rest of the dropout family on fake ``tpu`` tensors: dropout_matmul and dropout_linear (their
+kernels through TorchTPU's jax_op, their backward formulas), the channel dropouts, the nn modules,
+convert_dropout, and keys from a generator."""
 
 import pytest
 import torch
 
 import torch_pallas
 from torchtpu_support import DispatchedOps, check_dispatches, check_formula_dispatches, check_kernel_op, check_on_tpu
-from torch_pallas.ops import dropout_matmul as dropout_matmul_op
+from torch_pallas.ops import dropout_linear as dropout_linear_op, dropout_matmul as dropout_matmul_op
 
 WEIGHTS, VALUE = (2, 4, 128, 128), (2, 4, 128, 64)
+# LoRA's down-projection: (batch, tokens, features) through a rank-16 weight.
+X, LORA_A, LORA_OUT = (2, 128, 256), (16, 256), (2, 128, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,6 +43,38 @@ def test_dropout_matmul_backward_formula_dispatches_its_backward_with_the_forwar
     assert args[3] is key and args[4:6] == (0.25, "threefry")
     check_on_tpu(grad_weights, WEIGHTS, torch.float32)
     check_on_tpu(grad_value, VALUE, torch.float32)
+    assert all(grad is None for grad in no_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_linear_dispatches_its_op_and_returns_a_tpu_tensor(fake, dtype):
+    x, weight = torch.randn(X, device="tpu", dtype=dtype), torch.randn(LORA_A, device="tpu", dtype=dtype)
+    y = check_dispatches(lambda: torch_pallas.dropout_linear(x, weight, p=0.1, seed=1), "torch_pallas::dropout_linear")
+    check_on_tpu(y, LORA_OUT, dtype)
+
+
+def test_dropout_linear_kernels_reach_torchtpu_as_jax_ops(fake):
+    """The default impl's forward (one output) and backward (x's gradient and the weight's, float32
+    from the kernel; the op rounds it to the weight's dtype)."""
+    x, weight, grad = (torch.randn(shape, device="tpu") for shape in (X, LORA_A, LORA_OUT))
+    key = torch_pallas.seeds.key_data(seed=3, device="tpu")
+    check_kernel_op(dropout_linear_op._compute_dropout_linear, (x, weight, key, 0.1, "tiled"),
+                    "dropout_linear_forward", [(LORA_OUT, torch.float32)])
+    check_kernel_op(dropout_linear_op._compute_dropout_linear_backward, (grad, x, weight, key, 0.1, "tiled"),
+                    "dropout_linear_backward", [(X, torch.float32), (LORA_A, torch.float32)])
+
+
+def test_dropout_linear_backward_formula_dispatches_its_backward_with_the_forward_key(fake):
+    x, weight, grad = (torch.randn(shape, device="tpu") for shape in (X, LORA_A, LORA_OUT))
+    key = torch_pallas.seeds.key_data(seed=5, device="tpu")
+    inputs = (x, weight, key, 0.25, "tiled")
+    output = dropout_linear_op.dropout_linear(*inputs)
+    (grad_x, grad_weight, *no_grads), args = check_formula_dispatches(
+        dropout_linear_op._setup_context, dropout_linear_op._backward, inputs, output, (grad,),
+        "torch_pallas::dropout_linear_backward")
+    assert args[1] is x and args[3] is key and args[4:6] == (0.25, "tiled")
+    check_on_tpu(grad_x, X, torch.float32)
+    check_on_tpu(grad_weight, LORA_A, torch.float32)
     assert all(grad is None for grad in no_grads)
 
 

@@ -20,6 +20,9 @@ CALLS = {
     "dropout bfloat16": lambda x, r: torch_pallas.dropout(x.bfloat16(), 0.1, seed=1),
     "dropout float32": lambda x, r: torch_pallas.dropout(x, 0.1, seed=1),
     "dropout_add float32": lambda x, r: torch_pallas.dropout_add(x, r, 0.1, seed=1),
+    # LoRA's down-projection (rank 16) of 256 rows of 1024 features.
+    "dropout_linear bfloat16": lambda x, r: torch_pallas.dropout_linear(x.bfloat16(), r[:16].bfloat16(), p=0.1,
+                                                                         seed=1),
     # The hardware PRNG is accepted where kernels lower for TPU (a TPU; here, asked for).
     "dropout hardware bfloat16": lambda x, r: _lowering_for_tpu(torch_pallas.dropout, x.bfloat16(), 0.1, seed=1,
                                                                  impl="hardware"),
@@ -42,10 +45,12 @@ def _handed_to_the_front_end(call, monkeypatch):
     tensors: torch runs a custom op's fake function under fake mode, so each op dispatched is
     recorded and its computation (what a real tpu tensor runs) called after."""
     from torch._subclasses import FakeTensorMode
-    from torch_pallas.ops import attention as attention_ops, dropout as dropout_ops, indrnn as indrnn_ops
+    from torch_pallas.ops import (attention as attention_ops, dropout as dropout_ops,
+                                  dropout_linear as dropout_linear_ops, indrnn as indrnn_ops)
 
     computations = {"torch_pallas::dropout": dropout_ops._compute_dropout,
                     "torch_pallas::dropout_add": dropout_ops._compute_dropout_add,
+                    "torch_pallas::dropout_linear": dropout_linear_ops._compute_dropout_linear,
                     "torch_pallas::attention": attention_ops._compute_attention,
                     "torch_pallas::indrnn": indrnn_ops._compute_indrnn}
     dispatched = DispatchedOps(record_args=True)

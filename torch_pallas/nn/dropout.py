@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from torch_pallas import _checks, sharding
+from torch_pallas import _checks, residual_fusion, routing, sharding
 from torch_pallas.functional import dropout1d, dropout2d, dropout3d, dropout as dropout_fn, dropout_under_sharding
 
 __all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "convert_dropout"]
@@ -88,6 +88,10 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
+            if not self.inplace and routing.fusing_route() is not None:
+                # As a routed F.dropout: what reads the output may run fused with it.
+                _checks.check_tensor(input, "input")
+                return residual_fusion.routed_dropout(input, self.p, self.training, self.impl)
             return super().forward(input)
         _checks.check_tensor(input, "input")
         return dropout_under_sharding(input, self.p, self.training, self.inplace, impl=self.impl,

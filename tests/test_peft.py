@@ -1,0 +1,99 @@
+"""PEFT's LoRA as a client, on the lazy XLA device: under route_dropout(fuse_matmul=True) every
+``lora_A(lora_dropout(x))`` runs as one dropout_linear kernel with the unfused call's masks (a
+Llama-style model with GQA, and GPT-2, whose Conv1D base layers PEFT adapts with
+``fan_in_fan_out``), routed or converted; a converted LoRA model trains and the same XLA seed
+repeats the run."""
+
+import pytest
+import torch
+import torch_xla
+
+peft = pytest.importorskip("peft", reason="peft is in the test extra (pyproject.toml); install it to run these")
+transformers = pytest.importorskip("transformers")
+
+import torch_pallas  # noqa: E402
+from conftest import read_together  # noqa: E402
+from kernel_calls import kernel_calls  # noqa: E402
+
+DEVICE = torch_xla.device()
+LAYERS = 2
+
+
+def lora_llama():
+    """Llama-style (GQA: 4 query heads, 2 key-value heads), LoRA on every projection, QLoRA's dropout."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return peft.get_peft_model(transformers.LlamaForCausalLM(config), lora), 7
+
+
+def lora_gpt2():
+    """GPT-2 (embedding, attention and residual dropouts of its own), LoRA on its Conv1D layers."""
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=LAYERS, n_head=4)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["c_attn", "c_proj", "c_fc"],
+                           fan_in_fan_out=True)
+    return peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora), 4  # c_proj: attention's and the MLP's
+
+
+MODELS = {"llama": lora_llama, "gpt2": lora_gpt2}
+
+
+def ids():
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+
+def step(model, fuse: bool):
+    """One forward and backward from XLA seed 0: the loss, the LoRA weights' gradients, and the
+    torch_pallas kernels of the forward graph (operand counts: 3 for dropout_linear's)."""
+    model.zero_grad(set_to_none=True)
+    torch_xla.manual_seed(0)
+    with torch_pallas.route_dropout(fuse_matmul=fuse):
+        batch = ids()
+        loss = model(input_ids=batch, labels=batch).loss
+    _, calls = kernel_calls(loss)
+    loss.backward()
+    grads = [p.grad for name, p in model.named_parameters() if p.requires_grad]
+    return [loss, *grads], [len(operands) for _, operands in calls]
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["routed", "converted"])
+@pytest.mark.parametrize("name", MODELS)
+def test_lora_dropout_runs_in_lora_as_kernel_with_the_unfused_masks(name, converted):
+    torch.manual_seed(0)
+    model, adapted_per_layer = MODELS[name]()
+    model = (torch_pallas.convert_dropout(model) if converted else model).to(DEVICE).train()
+    unfused, unfused_kernels = step(model, fuse=False)
+    fused, fused_kernels = step(model, fuse=True)
+    lora_linears = adapted_per_layer * LAYERS
+    assert fused_kernels.count(3) == lora_linears and unfused_kernels.count(3) == 0
+    # The fused forward draws no dropout of its own for the LoRA inputs: only the model's own dropouts remain.
+    assert fused_kernels.count(2) == unfused_kernels.count(2) - lora_linears
+    unfused, fused = read_together(unfused, fused)
+    torch.testing.assert_close(fused[0], unfused[0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused[1:], unfused[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_converted_lora_model_trains_and_the_same_seed_repeats_the_run():
+    def train():
+        torch.manual_seed(0)
+        model, _ = lora_llama()
+        model = torch_pallas.convert_dropout(model).to(DEVICE).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for seed in range(4):
+            torch_xla.manual_seed(seed)
+            with torch_pallas.route_dropout(fuse_matmul=True):
+                batch = ids()
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch_xla.sync()
+            losses.append(loss.item())
+        return losses
+
+    first = train()
+    assert first[-1] < first[0]
+    assert train() == first

@@ -1,0 +1,276 @@
+"""Dropout of a linear layer's input and the layer's product in one Pallas kernel:
+``dropout(x) @ weight.T``, as ``nn.Linear(dropout(x))`` computes it (PEFT's LoRA
+``lora_A(dropout(x))``, T5's ``wo(dropout(h))``, a classifier head after its dropout).
+
+Apart, the dropout kernel writes the dropped ``x``, the product reads it back, and autograd
+keeps it for the weight's gradient: a copy of ``x`` per consumer. Here the forward kernel reads
+``x`` once and writes only ``(M, N)``; the backward kernel regenerates the mask from the 8-byte
+key and writes ``x``'s gradient and the weight's. Nothing is saved but ``x`` itself, which
+several consumers of one ``x`` (q, k and v; gate and up) share.
+
+The mask is :func:`dropout.dropout`'s for the same key, bit for bit, on every impl: ``x`` is
+seen as the ``(M, K)`` rows of its last dim, which must be the dropout's own 2-D view of ``x``
+for the per-tile impls (:func:`takes`), and a kept element is ``x / q`` rounded to ``x``'s
+dtype (``q`` :func:`prng.keep_probability`), as the dropout kernel writes it. The products
+accumulate in float32. ``x``'s gradient is dropout's backward of ``grad @ weight`` rounded to
+``x``'s dtype, as autograd computes it apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels import arguments, calls, prng, tiling
+from torch_pallas.kernels.dropout import kept_values
+
+# Elements of one block of ``x``: 2 MiB of float32, double-buffered beside its bits and the
+# dropped values, well within v4's 16 MiB of scoped VMEM.
+_BLOCK_ELEMENTS = 2**19
+# Rows and columns of a threefry chunk: a few vregs of bits at a time (as the elementwise kernels).
+_THREEFRY_CHUNK = (64, 1024)
+# Per element of ``x``, for the cost estimate: the mask's scaling, ``x * 0`` and the select.
+_MASK_FLOPS = 3
+
+
+def check_shapes(x_shape, weight_shape) -> None:
+    """Raises ValueError unless ``x (..., K)`` and ``weight (N, K)`` share ``K``."""
+    if len(x_shape) < 1 or len(weight_shape) != 2 or x_shape[-1] != weight_shape[1]:
+        raise ValueError(f"x (..., K) and weight (N, K) must share K, got {tuple(x_shape)} and "
+                         f"{tuple(weight_shape)}")
+
+
+def _rows(x_shape) -> tuple[int, int]:
+    """(M, K): ``x``'s rows of its last dim."""
+    return math.prod(x_shape[:-1]), x_shape[-1]
+
+
+def takes(x_shape, impl: str) -> bool:
+    """Whether the kernels draw ``x``'s dropout mask over its ``(M, K)`` rows: always with
+    threefry (a flat index is ``row * K + col`` in any view) while every index stays below
+    2**32; with a per-tile impl when those rows are the dropout's own 2-D view of ``x``
+    (:func:`tiling.view_2d`: ``K`` a multiple of 128, at least 8 rows, and not a tensor the
+    per-tile impls see with its first two dims swapped)."""
+    M, K = _rows(x_shape)
+    if M == 0 or K == 0:
+        return False
+    if not prng.per_tile(impl):
+        return M * K <= 2**32
+    return tiling.view_2d(tuple(x_shape)) == (M, K) and not tiling.first_dims_swapped(tuple(x_shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(M: int, K: int, impl: str, interpret: bool):
+    """(block rows, block cols, chunk rows, chunk cols) over the ``(M, K)`` rows: a per-tile
+    impl's chunk is one tile of :func:`tiling.hardware_tile` (the dropout's seed tile) and
+    blocks are whole tiles; threefry's chunk is a few vregs, and its blocks whole chunks (or
+    all of ``K`` where no 128-lane multiple divides it)."""
+    if prng.per_tile(impl):
+        chunk_rows, chunk_cols = tiling.hardware_tile(M, K)
+    else:
+        chunk_cols = next((c for c in (1024, 512, 256, tiling.LANES) if K % c == 0), K)
+        chunk_rows = min(_THREEFRY_CHUNK[0], tiling.round_up(M, tiling.SUBLANES))
+    # Columns: whole chunks dividing K, at most a quarter of the block's elements.
+    col_chunks = K // chunk_cols
+    per_block = max(1, _BLOCK_ELEMENTS // 4 // (chunk_rows * chunk_cols))
+    block_cols = chunk_cols * max(d for d in range(1, col_chunks + 1) if col_chunks % d == 0 and d <= per_block)
+    block_rows = chunk_rows * max(1, _BLOCK_ELEMENTS // (block_cols * chunk_rows))
+    block_rows = min(block_rows, tiling.round_up(M, chunk_rows))
+    if interpret:  # few large blocks: each grid step is a Python-level loop iteration
+        block_rows = tiling.round_up(M, chunk_rows)
+    return block_rows, block_cols, chunk_rows, chunk_cols
+
+
+def _checked(key_data, x, weight, p, impl, interpret):
+    p = arguments.check_probability(p)
+    prng.check_can_run(impl, interpret)
+    check_shapes(x.shape, weight.shape)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if not takes(x.shape, impl):
+        raise ValueError(f"impl={impl!r} does not draw the mask of x of shape {tuple(x.shape)} over its (M, K) rows "
+                         "(see dropout_linear.takes): run dropout and the product apart")
+    return p, prng.key_words(key_data, impl)
+
+
+def _chunk_mask(key_ref, impl, chunk, row0, col0, K, keep_probability):
+    bits = prng.chunk_bits(impl, key_ref, chunk, row0, col0, K, uniform_bits=prng.DROPOUT_BITS)
+    return prng.kept(impl, bits, keep_probability)
+
+
+def _dot(a, b, interpret: bool):
+    """``a @ b`` accumulated in float32. In interpret mode 16-bit operands are widened first
+    (exactly): XLA's CPU runtime under torch_xla 2.9 has no bfloat16 x bfloat16 = float32 dot
+    for some shapes ("Unsupported element type for DotThunk")."""
+    if interpret:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _walk(block, chunk, body):
+    """``body(row_offset, col_offset)`` for every chunk of a block: a loop over rows (bounded
+    code whatever the block), the columns unrolled (static lane offsets)."""
+    row_chunks = block[0] // chunk[0]
+
+    def step(index, carry):
+        row = pl.multiple_of(index * chunk[0], chunk[0]) if row_chunks > 1 else 0
+        for col in range(0, block[1], chunk[1]):
+            body(row, col)
+        return carry
+
+    if row_chunks == 1:
+        step(0, 0)
+    else:
+        lax.fori_loop(0, row_chunks, step, 0)
+
+
+def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_probability, K, chunk, interpret):
+    i, k = pl.program_id(0), pl.program_id(1)
+    block = x_ref.shape
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def body(row, col):
+        rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
+        keep = _chunk_mask(key_ref, impl, chunk, i * block[0] + row, k * block[1] + col, K, keep_probability)
+        x = x_ref[rows, cols]
+        dropped = kept_values(keep, x, keep_probability).astype(x.dtype)
+        acc_ref[rows, :] += _dot(dropped, w_ref[cols, :], interpret)
+
+    _walk(block, chunk, body)
+
+    @pl.when(k == pl.num_programs(1) - 1)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool):
+    """``dropout(x, p) @ weight.T`` in one kernel (see the module docstring).
+
+    Args:
+        key_data: int32 (2,) threefry key words.
+        x: ``(..., K)`` float32, bfloat16 or float16, whose rows :func:`takes` for ``impl``.
+        weight: ``(N, K)`` of ``x``'s dtype.
+        p: drop probability in [0, 1].
+        impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
+        interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
+
+    Returns:
+        ``(..., N)`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], shapes that do not pair, or an ``x`` whose mask the
+            kernels do not draw over its rows (:func:`takes`).
+        TypeError: a ``weight`` of another dtype than ``x``.
+    """
+    if x.dtype == jnp.float16:
+        wide_x, wide_w = tiling.widen_float16(x, weight)
+        return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl, interpret=interpret).astype(x.dtype)
+    p, words = _checked(key_data, x, weight, p, impl, interpret)
+    M, K = _rows(x.shape)
+    N = weight.shape[0]
+    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
+    grid = (pl.cdiv(M, block_rows), K // block_cols)
+    x2 = x.reshape(M, K)
+    out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
+    kernel = functools.partial(_forward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), K=K,
+                               chunk=tuple(chunk), interpret=interpret)
+    out = calls.pallas_call(
+        kernel,
+        name=calls.kernel_name("dropout_linear", "fwd", impl, blocks=(block_rows, block_cols)),
+        cost_estimate=calls.cost_estimate(
+            bytes_accessed=calls.nbytes(x2, out_shape) + grid[0] * calls.nbytes(weight) + 8,
+            flops=M * K * (2 * N + _MASK_FLOPS + prng.noise_ops(impl, prng.DROPOUT_BITS))),
+        grid=grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((block_rows, block_cols), lambda i, k: (i, k)),
+                  pl.BlockSpec((block_cols, N), lambda i, k: (k, 0))],
+        out_specs=pl.BlockSpec((block_rows, N), lambda i, k: (i, 0)),
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((block_rows, N), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(words, x2, weight.T)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, impl, keep_probability, M, K, chunk,
+                     interpret):
+    k, i = pl.program_id(0), pl.program_id(1)
+    block = x_ref.shape
+
+    # The weight's gradient block stays in VMEM across the rows (the inner axis): it is the sum.
+    @pl.when(i == 0)
+    def _():
+        grad_w_ref[...] = jnp.zeros(grad_w_ref.shape, jnp.float32)
+
+    def body(row, col):
+        rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
+        row0 = i * block[0] + row
+        keep = _chunk_mask(key_ref, impl, chunk, row0, k * block[1] + col, K, keep_probability)
+        x = x_ref[rows, cols]
+        g = g_ref[rows, :]
+        grad_dropped = _dot(g, w_ref[:, cols], interpret).astype(x.dtype)
+        grad_x_ref[rows, cols] = kept_values(keep, grad_dropped, keep_probability).astype(grad_x_ref.dtype)
+        # Rows past M (the last block's padding) hold whatever the buffer held: none of them
+        # may reach the weight's gradient.
+        valid = lax.broadcasted_iota(jnp.int32, (chunk[0], 1), 0) + row0 < M
+        dropped = jnp.where(valid, kept_values(keep, x, keep_probability), 0.0).astype(x.dtype)
+        g = jnp.where(valid, g, jnp.zeros_like(g))
+        # (N, cols): the small gradient transposed, not the block of x.
+        grad_w_ref[:, cols] += _dot(g.T, dropped, interpret)
+
+    _walk(block, chunk, body)
+
+
+def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
+                            interpret: bool):
+    """The gradients of :func:`dropout_linear_forward` with respect to ``x`` and ``weight``,
+    given the same key and options and the output's gradient ``(..., N)``, in one kernel that
+    regenerates the mask.
+
+    Returns:
+        ``(grad_x, grad_weight)``: ``x``'s shape and dtype, and ``weight``'s shape in float32
+        (summed over every row of ``x`` in float32; round it to the weight's dtype once).
+    """
+    if x.dtype == jnp.float16:
+        wide_x, wide_w, wide_g = tiling.widen_float16(x, weight, grad_out)
+        grad_x, grad_w = dropout_linear_backward(key_data, wide_x, wide_w, wide_g, p=p, impl=impl,
+                                                 interpret=interpret)
+        return grad_x.astype(x.dtype), grad_w
+    p, words = _checked(key_data, x, weight, p, impl, interpret)
+    M, K = _rows(x.shape)
+    N = weight.shape[0]
+    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
+    # The weight's gradient sums over every row: the rows are the inner, sequential axis.
+    grid = (K // block_cols, pl.cdiv(M, block_rows))
+    x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(x.dtype)
+    out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((N, K), jnp.float32))
+    kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
+                               K=K, chunk=tuple(chunk), interpret=interpret)
+    grad_x, grad_w = calls.pallas_call(
+        kernel,
+        name=calls.kernel_name("dropout_linear", "bwd", impl, blocks=(block_rows, block_cols)),
+        cost_estimate=calls.cost_estimate(
+            bytes_accessed=calls.nbytes(x2, weight, *out_shapes) + grid[0] * calls.nbytes(g2) + 8,
+            flops=M * K * (4 * N + 2 * _MASK_FLOPS + prng.noise_ops(impl, prng.DROPOUT_BITS))),
+        grid=grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((block_rows, block_cols), lambda k, i: (i, k)),
+                  pl.BlockSpec((N, block_cols), lambda k, i: (0, k)),
+                  pl.BlockSpec((block_rows, N), lambda k, i: (i, 0))],
+        out_specs=[pl.BlockSpec((block_rows, block_cols), lambda k, i: (i, k)),
+                   pl.BlockSpec((N, block_cols), lambda k, i: (0, k))],
+        out_shape=out_shapes,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(words, x2, weight, g2)
+    return grad_x.reshape(x.shape), grad_w

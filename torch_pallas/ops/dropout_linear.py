@@ -1,0 +1,70 @@
+"""``torch_pallas::dropout_linear``: ``dropout(x) @ weight.T`` in one kernel, the mask from key
+data; its backward kernel regenerates the mask, and autograd keeps ``x``, never the dropped copy.
+
+:func:`apply` is the differentiable entry point (autograd, ``torch.func``'s reverse-mode
+transforms, ``torch.compile``)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pallas import bridge
+from torch_pallas.ops import _autograd
+from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
+
+
+def _compute_dropout_linear(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, p: float,
+                            impl: str) -> torch.Tensor:
+    """``dropout(x, p) @ weight.T`` (``x (..., K)`` whose rows the kernels take for ``impl``,
+    ``weight (N, K)`` of its dtype; pre-checked)."""
+    return bridge.call(dropout_linear_kernels.dropout_linear_forward, key_data, x.contiguous(), weight.contiguous(),
+                       p=p, impl=impl)
+
+
+dropout_linear = torch.library.custom_op("torch_pallas::dropout_linear", _compute_dropout_linear, mutates_args=())
+
+
+@dropout_linear.register_fake
+def _(x, weight, key_data, p, impl):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _compute_dropout_linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                     key_data: torch.Tensor, p: float, impl: str) -> list[torch.Tensor]:
+    """The gradients of :func:`dropout_linear` for ``x`` and ``weight`` (its dtype, summed in
+    float32 and rounded once)."""
+    grad_x, grad_weight = bridge.call(dropout_linear_kernels.dropout_linear_backward, key_data, x.contiguous(),
+                                      weight.contiguous(), grad_out.contiguous(), p=p, impl=impl)
+    return [grad_x, grad_weight.to(weight.dtype)]
+
+
+dropout_linear_backward_op = torch.library.custom_op("torch_pallas::dropout_linear_backward",
+                                                     _compute_dropout_linear_backward, mutates_args=())
+dropout_linear_backward = _autograd.direct(dropout_linear_backward_op, _compute_dropout_linear_backward)
+
+
+@dropout_linear_backward_op.register_fake
+def _(grad_out, x, weight, key_data, p, impl):
+    return [torch.empty_like(x), torch.empty_like(weight)]
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, key_data, ctx.p, ctx.impl = inputs
+    # x, not the dropped x: consumers of one x (q, k and v) share what autograd keeps.
+    ctx.save_for_backward(x, weight, key_data)
+
+
+def _backward(ctx, grad_out):
+    x, weight, key_data = ctx.saved_tensors
+    grad_x, grad_weight = dropout_linear_backward(grad_out, x, weight, key_data, ctx.p, ctx.impl)
+    return grad_x, grad_weight, None, None, None
+
+
+_apply = _autograd.differentiable(dropout_linear, _compute_dropout_linear, public_name="torch_pallas.dropout_linear",
+                                  setup_context=_setup_context, backward=_backward)
+
+
+def apply(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str) -> torch.Tensor:
+    """The op :data:`dropout_linear`, differentiable under autograd, ``torch.func``'s reverse
+    mode and ``torch.compile``."""
+    return _apply(x, weight, key_data, p, impl)
