@@ -19,13 +19,14 @@ DEVICE = torch_xla.device()
 LAYERS = 2
 
 
-def lora_llama():
-    """Llama-style (GQA: 4 query heads, 2 key-value heads), LoRA on every projection, QLoRA's dropout."""
+def lora_llama(dtype=torch.float32):
+    """Llama-style (GQA: 4 query heads, 2 key-value heads), LoRA on every projection, QLoRA's
+    dropout; in bfloat16 PEFT's adapters are float32 and it casts their inputs."""
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    return peft.get_peft_model(transformers.LlamaForCausalLM(config), lora), 7
+    return peft.get_peft_model(transformers.LlamaForCausalLM(config).to(dtype), lora), 7
 
 
 def lora_gpt2():
@@ -36,7 +37,7 @@ def lora_gpt2():
     return peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora), 4  # c_proj: attention's and the MLP's
 
 
-MODELS = {"llama": lora_llama, "gpt2": lora_gpt2}
+MODELS = {"llama": lora_llama, "gpt2": lora_gpt2, "llama-bfloat16": lambda: lora_llama(torch.bfloat16)}
 
 
 def ids():
@@ -45,16 +46,17 @@ def ids():
 
 def step(model, fuse: bool):
     """One forward and backward from XLA seed 0: the loss, the LoRA weights' gradients, and the
-    torch_pallas kernels of the forward graph (operand counts: 3 for dropout_linear's)."""
+    torch_pallas kernels of the forward graph (operand counts: 3 for dropout_linear's) with the
+    dtype of each one's second operand (what it drops: ``bf16``, ``f32``)."""
     model.zero_grad(set_to_none=True)
     torch_xla.manual_seed(0)
     with torch_pallas.route_dropout(fuse_matmul=fuse):
         batch = ids()
         loss = model(input_ids=batch, labels=batch).loss
-    _, calls = kernel_calls(loss)
+    shapes, calls = kernel_calls(loss)
     loss.backward()
     grads = [p.grad for name, p in model.named_parameters() if p.requires_grad]
-    return [loss, *grads], [len(operands) for _, operands in calls]
+    return [loss, *grads], [(len(operands), shapes.get(operands[1], "?").split("[")[0]) for _, operands in calls]
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["routed", "converted"])
@@ -66,13 +68,19 @@ def test_lora_dropout_runs_in_lora_as_kernel_with_the_unfused_masks(name, conver
     unfused, unfused_kernels = step(model, fuse=False)
     fused, fused_kernels = step(model, fuse=True)
     lora_linears = adapted_per_layer * LAYERS
-    assert fused_kernels.count(3) == lora_linears and unfused_kernels.count(3) == 0
+    fused_linears = [dtype for operands, dtype in fused_kernels if operands == 3]
+    assert len(fused_linears) == lora_linears and not [1 for operands, _ in unfused_kernels if operands == 3]
+    # bfloat16: each kernel reads the model's bfloat16 activations, not PEFT's float32 cast of them.
+    assert set(fused_linears) == {"bf16" if name == "llama-bfloat16" else "f32"}
     # The fused forward draws no dropout of its own for the LoRA inputs: only the model's own dropouts remain.
-    assert fused_kernels.count(2) == unfused_kernels.count(2) - lora_linears
+    assert ([operands for operands, _ in fused_kernels].count(2)
+            == [operands for operands, _ in unfused_kernels].count(2) - lora_linears)
     unfused, fused = read_together(unfused, fused)
-    torch.testing.assert_close(fused[0], unfused[0], rtol=1e-5, atol=1e-5)
+    # bfloat16: the float32 LoRA sums, in another order, can round the bfloat16 layer outputs apart.
+    loss_tolerance, grad_tolerance = ((1e-5, 1e-5), (1e-4, 1e-5)) if name != "llama-bfloat16" else ((1e-2, 1e-2),) * 2
+    torch.testing.assert_close(fused[0], unfused[0], rtol=loss_tolerance[0], atol=loss_tolerance[1])
     for got, want in zip(fused[1:], unfused[1:]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=grad_tolerance[0], atol=grad_tolerance[1])
 
 
 def test_a_converted_lora_model_trains_and_the_same_seed_repeats_the_run():

@@ -106,11 +106,14 @@ class DrawnDropout(NamedTuple):
         return dropout_ops.apply_add(self.x, residual, self.key_data, p=self.p, impl=self.impl,
                                      sharding_text=self.sharding_text)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(self.output(), weight, bias)``: in one kernel when :func:`fuses_linear` says so."""
-        if self.key_data is None or not fuses_linear(self, weight):
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, narrow=None) -> torch.Tensor:
+        """``F.linear(self.output(), weight, bias)``: in one kernel when :func:`fuses_linear` says
+        so; it reads ``narrow`` instead of ``self.x`` where ``self.x`` is ``narrow.to(float32)``
+        of a 16-bit ``narrow``."""
+        if self.key_data is None or not fuses_linear(self, weight, narrow):
             return torch.nn.functional.linear(self.output(), weight, bias)
-        out = dropout_linear_ops.apply(self.x, weight, self.key_data, p=self.p, impl=self.impl)
+        x = self.x if narrow is None else narrow
+        out = dropout_linear_ops.apply(x, weight, self.key_data, p=self.p, impl=self.impl)
         return out if bias is None else out + bias
 
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
@@ -136,11 +139,16 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     return True
 
 
-def fuses_linear(drawn: DrawnDropout, weight) -> bool:
+def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
     """Whether ``F.linear(drawn.output(), weight)`` runs as one dropout_linear kernel: a 2-D
     weight of the input's dtype (a kernel's: not float64) and device, a mask over the whole
-    unsharded input, drawn over its rows (:func:`kernels.dropout_linear.takes`)."""
+    unsharded input, drawn over its rows (:func:`kernels.dropout_linear.takes`); with ``narrow``,
+    the 16-bit tensor whose ``.to(float32)`` the input is, read in its place."""
     x = drawn.x
+    if narrow is not None and not (narrow.shape == x.shape and narrow.device == x.device
+                                   and dropout_linear_kernels.widens(_checks.jax_dtype_name(narrow.dtype),
+                                                                     _checks.jax_dtype_name(x.dtype))):
+        return False
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == x.dtype
             and weight.device == x.device and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
             and drawn.sharding_text is None and sharding.resolve(weight) is None

@@ -334,7 +334,27 @@ def fused_linear(args, kwargs) -> torch.Tensor | None:
     if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dtype == input.dtype
                                  and bias.device == input.device and tuple(bias.shape) == (weight.shape[0],)):
         return None
-    return found[1].linear(weight, bias)
+    drawn = found[1]
+    narrow = _recall(drawn.x, _WIDENED_FROM)
+    return drawn.linear(weight, bias, narrow if narrow is not None and functional.fuses_linear(drawn, weight, narrow)
+                        else None)
+
+
+_WIDENED_FROM = "_torch_pallas_widened_from"
+
+
+def remembered_widening(func, args, kwargs) -> torch.Tensor:
+    """``Tensor.to(*args, **kwargs)``, whose output, where it is a lazily run 16-bit tensor made
+    float32 (PEFT's cast of a bfloat16 model's activations to its float32 adapters' dtype),
+    remembers the 16-bit tensor for :func:`fused_linear`: its kernel then reads it, not the
+    float32 copy."""
+    output = func(*args, **kwargs)
+    source = args[0] if args else None
+    if (isinstance(output, torch.Tensor) and isinstance(source, torch.Tensor) and output is not source
+            and output.dtype == torch.float32 and source.dtype in (torch.bfloat16, torch.float16)
+            and output.shape == source.shape and output.device == source.device and bridge.runs_lazily(source)):
+        _remember(output, _WIDENED_FROM, (source,), source)
+    return output
 
 
 def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:

@@ -78,7 +78,10 @@ class route_dropout(TorchFunctionMode):
             same mask), and nothing of size ``L x S`` is kept. Also ``F.linear`` (every
             ``nn.Linear``) of such an output as :func:`torch_pallas.dropout_linear`: the
             dropout's mask bit for bit on every impl, and autograd keeps the dropout's input,
-            not the dropped copy (PEFT's LoRA ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``);
+            not the dropped copy (PEFT's LoRA ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``;
+            where the dropout's input is a 16-bit tensor's ``.to(torch.float32)``, as PEFT's
+            float32 adapters cast a bfloat16 model's activations, the kernel reads the 16-bit
+            tensor);
             converted :class:`torch_pallas.nn.Dropout` modules are fused as routed ``F.dropout``
             calls are. For the attention products: with ``impl="threefry"``
             the same mask; with ``impl="tiled"`` (the default) or ``"hardware"`` the mask is drawn per attention tile
@@ -139,6 +142,8 @@ class route_dropout(TorchFunctionMode):
                 return fused
             if self.fuse_matmul:
                 return residual_fusion.remembered_scores(func, args, kwargs)
+        elif self.fuse_matmul and func is torch.Tensor.to and not torch.compiler.is_compiling():
+            return residual_fusion.remembered_widening(func, args, kwargs)
         elif self.fuse_matmul and func is F.linear and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_linear(args, kwargs)
             if fused is not None:

@@ -80,3 +80,23 @@ def test_which_inputs_it_takes():
     with pytest.raises(ValueError, match="run dropout and the product apart"):
         dropout_linear.dropout_linear_forward(KEY, jnp.ones((8, 100)), jnp.ones((4, 100)), p=0.1, impl="tiled",
                                               interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_x_with_a_float32_weight_is_x_widened(dtype):
+    """PEFT's float32 adapters over a 16-bit model: the kernels read x and widen it, with the
+    results of x.to(float32): the same output and weight gradient, x's gradient rounded once."""
+    x, weight, grad_out = _case((100, 1024), 16, jnp.float32)
+    narrow = x.astype(dtype)
+    wide = narrow.astype(jnp.float32)
+    out = dropout_linear.dropout_linear_forward(KEY, narrow, weight, p=0.3, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(
+        dropout_linear.dropout_linear_forward(KEY, wide, weight, p=0.3, interpret=True)))
+    grad_x, grad_w = dropout_linear.dropout_linear_backward(KEY, narrow, weight, grad_out, p=0.3, interpret=True)
+    wide_grad_x, wide_grad_w = dropout_linear.dropout_linear_backward(KEY, wide, weight, grad_out, p=0.3,
+                                                                      interpret=True)
+    assert out.dtype == grad_w.dtype == jnp.float32 and grad_x.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(grad_x), np.asarray(wide_grad_x.astype(dtype)))
+    np.testing.assert_array_equal(np.asarray(grad_w), np.asarray(wide_grad_w))
+    with pytest.raises(TypeError, match="float32 for a 16-bit x"):
+        dropout_linear.dropout_linear_forward(KEY, x, weight.astype(jnp.bfloat16), p=0.3, interpret=True)

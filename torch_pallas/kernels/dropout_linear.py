@@ -14,6 +14,10 @@ for the per-tile impls (:func:`takes`), and a kept element is ``x / q`` rounded 
 dtype (``q`` :func:`prng.keep_probability`), as the dropout kernel writes it. The products
 accumulate in float32. ``x``'s gradient is dropout's backward of ``grad @ weight`` rounded to
 ``x``'s dtype, as autograd computes it apart.
+
+A float32 weight takes a 16-bit ``x`` as ``x.to(float32)`` (:func:`widens`): PEFT casts a
+bfloat16 model's activations to its float32 adapters' dtype before their dropout, and the kernel
+then reads the 16-bit ``x`` instead of a float32 copy, with the same mask, values and gradients.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def check_shapes(x_shape, weight_shape) -> None:
     if len(x_shape) < 1 or len(weight_shape) != 2 or x_shape[-1] != weight_shape[1]:
         raise ValueError(f"x (..., K) and weight (N, K) must share K, got {tuple(x_shape)} and "
                          f"{tuple(weight_shape)}")
+
+
+def widens(x_dtype, weight_dtype) -> bool:
+    """Whether the kernels take an ``x`` of ``x_dtype`` with a weight of ``weight_dtype`` as
+    ``x.to(weight_dtype)``: a 16-bit ``x`` with a float32 weight."""
+    return jnp.dtype(weight_dtype) == jnp.float32 and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16)
 
 
 def _rows(x_shape) -> tuple[int, int]:
@@ -91,8 +101,9 @@ def _checked(key_data, x, weight, p, impl, interpret):
     p = arguments.check_probability(p)
     prng.check_can_run(impl, interpret)
     check_shapes(x.shape, weight.shape)
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.dtype != x.dtype and not widens(x.dtype, weight.dtype):
+        raise TypeError(f"weight must have x's dtype {x.dtype} (or float32 for a 16-bit x, taken as "
+                        f"x.to(float32)), got {weight.dtype}")
     if not takes(x.shape, impl):
         raise ValueError(f"impl={impl!r} does not draw the mask of x of shape {tuple(x.shape)} over its (M, K) rows "
                          "(see dropout_linear.takes): run dropout and the product apart")
@@ -141,7 +152,7 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
     def body(row, col):
         rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
         keep = _chunk_mask(key_ref, impl, chunk, i * block[0] + row, k * block[1] + col, K, keep_probability)
-        x = x_ref[rows, cols]
+        x = x_ref[rows, cols].astype(w_ref.dtype)  # widened where the weight is float32 (widens)
         dropped = kept_values(keep, x, keep_probability).astype(x.dtype)
         acc_ref[rows, :] += _dot(dropped, w_ref[cols, :], interpret)
 
@@ -158,13 +169,13 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
     Args:
         key_data: int32 (2,) threefry key words.
         x: ``(..., K)`` float32, bfloat16 or float16, whose rows :func:`takes` for ``impl``.
-        weight: ``(N, K)`` of ``x``'s dtype.
+        weight: ``(N, K)`` of ``x``'s dtype, or float32 for a 16-bit ``x`` (:func:`widens`).
         p: drop probability in [0, 1].
         impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
 
     Returns:
-        ``(..., N)`` in ``x``'s dtype.
+        ``(..., N)`` in the weight's dtype.
 
     Raises:
         ValueError: ``p`` outside [0, 1], shapes that do not pair, or an ``x`` whose mask the
@@ -173,14 +184,15 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
     """
     if x.dtype == jnp.float16:
         wide_x, wide_w = tiling.widen_float16(x, weight)
-        return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl, interpret=interpret).astype(x.dtype)
+        return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl,
+                                      interpret=interpret).astype(weight.dtype)
     p, words = _checked(key_data, x, weight, p, impl, interpret)
     M, K = _rows(x.shape)
     N = weight.shape[0]
     block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
     grid = (pl.cdiv(M, block_rows), K // block_cols)
     x2 = x.reshape(M, K)
-    out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
+    out_shape = jax.ShapeDtypeStruct((M, N), weight.dtype)
     kernel = functools.partial(_forward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), K=K,
                                chunk=tuple(chunk), interpret=interpret)
     out = calls.pallas_call(
@@ -216,7 +228,7 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
         rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
         row0 = i * block[0] + row
         keep = _chunk_mask(key_ref, impl, chunk, row0, k * block[1] + col, K, keep_probability)
-        x = x_ref[rows, cols]
+        x = x_ref[rows, cols].astype(w_ref.dtype)
         g = g_ref[rows, :]
         grad_dropped = _dot(g, w_ref[:, cols], interpret).astype(x.dtype)
         grad_x_ref[rows, cols] = kept_values(keep, grad_dropped, keep_probability).astype(grad_x_ref.dtype)
@@ -252,7 +264,7 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
     # The weight's gradient sums over every row: the rows are the inner, sequential axis.
     grid = (K // block_cols, pl.cdiv(M, block_rows))
-    x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(x.dtype)
+    x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(weight.dtype)
     out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((N, K), jnp.float32))
     kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
                                K=K, chunk=tuple(chunk), interpret=interpret)

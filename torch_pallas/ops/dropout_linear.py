@@ -16,7 +16,8 @@ from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
 def _compute_dropout_linear(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, p: float,
                             impl: str) -> torch.Tensor:
     """``dropout(x, p) @ weight.T`` (``x (..., K)`` whose rows the kernels take for ``impl``,
-    ``weight (N, K)`` of its dtype; pre-checked)."""
+    ``weight (N, K)`` of its dtype, or float32 for a 16-bit ``x`` taken as ``x.to(float32)``;
+    pre-checked), in the weight's dtype."""
     return bridge.call(dropout_linear_kernels.dropout_linear_forward, key_data, x.contiguous(), weight.contiguous(),
                        p=p, impl=impl)
 
@@ -26,7 +27,7 @@ dropout_linear = torch.library.custom_op("torch_pallas::dropout_linear", _comput
 
 @dropout_linear.register_fake
 def _(x, weight, key_data, p, impl):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
 
 
 def _compute_dropout_linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
