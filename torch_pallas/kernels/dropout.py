@@ -98,14 +98,10 @@ def _masked(key_data, operands, *, p, impl, interpret, blocks, shared_over_first
     x = operands[0]
     if x.size == 0:
         return x
-    if x.dtype == jnp.float16 or (x.dtype == jnp.bfloat16 and interpret and prng.per_tile(impl)):
+    if x.dtype == jnp.float16:
         # The values are scaled in float32 and rounded once for every dtype; here the
-        # rounding happens outside the kernel. float16: Mosaic has none. bfloat16 in interpret
-        # mode with a per-tile impl: the kernel's loop over tiles stores 16-bit chunks, which
-        # under jax 0.7.1 took time quadratic in the block's rows on the CPU (2**22 elements:
-        # 2 s, ~270x threefry's time, where float32 took 1.6x).
-        return _masked(key_data, tuple(operand.astype(jnp.float32) for operand in operands), p=p, impl=impl,
-                       interpret=interpret,
+        # rounding happens outside the kernel.
+        return _masked(key_data, tiling.widen_float16(*operands), p=p, impl=impl, interpret=interpret,
                        blocks=blocks, shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
                        shard_offset=shard_offset).astype(x.dtype)
     transform = functools.partial(_apply_mask, impl=impl, keep_probability=prng.keep_probability(impl, p))

@@ -31,10 +31,6 @@ def _bernoulli_as_int32(bits, p):
     return prng.bernoulli_from_bits(bits, p).astype(jnp.int32)
 
 
-def _as_float32(bits, *, transform):
-    return transform(bits).astype(jnp.float32)
-
-
 def check_distribution(distribution: str) -> str:
     return arguments.check_one_of("distribution", distribution, DISTRIBUTIONS)
 
@@ -81,10 +77,6 @@ def sample(key_data: jax.Array, shape, *, distribution: str, dtype=jnp.float32, 
         transform, kernel_dtype = functools.partial(prng.uniform_from_bits, dtype=out_dtype), out_dtype
     else:
         transform, kernel_dtype = functools.partial(prng.normal_from_bits, dtype=out_dtype), out_dtype
-    if kernel_dtype == jnp.bfloat16 and interpret and prng.per_tile(impl):
-        # As dropout (kernels/dropout.py): no 16-bit stores in the per-tile loop on the CPU; float32
-        # holds the bfloat16 numbers exactly until the conversion below.
-        transform, kernel_dtype = functools.partial(_as_float32, transform=transform), jnp.float32
     # A float16 normal's conversion runs outside the kernel, which draws uniforms.
     in_kernel = "uniform" if float16 else distribution
     out = elementwise.noise_map(key_data, shape, transform, kernel_dtype, impl=impl, interpret=interpret,
