@@ -110,9 +110,13 @@ def _checked(key_data, x, weight, p, impl, interpret):
     return p, prng.key_words(key_data, impl)
 
 
-def _chunk_mask(key_ref, impl, chunk, row0, col0, K, keep_probability):
+def _chunk(key_ref, x_ref, w_ref, row, col, row0, col0, *, impl, keep_probability, K, chunk):
+    """The chunk at (row, col) of the block, at (row0, col0) of the ``(M, K)`` rows: its row and
+    column slices, its mask (the dropout kernel's: the same bits at the same place) and its ``x``,
+    widened to the weight's dtype (:func:`widens`)."""
+    rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
     bits = prng.chunk_bits(impl, key_ref, chunk, row0, col0, K, uniform_bits=prng.DROPOUT_BITS)
-    return prng.kept(impl, bits, keep_probability)
+    return rows, cols, prng.kept(impl, bits, keep_probability), x_ref[rows, cols].astype(w_ref.dtype)
 
 
 def _dot(a, b, interpret: bool):
@@ -150,9 +154,8 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def body(row, col):
-        rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
-        keep = _chunk_mask(key_ref, impl, chunk, i * block[0] + row, k * block[1] + col, K, keep_probability)
-        x = x_ref[rows, cols].astype(w_ref.dtype)  # widened where the weight is float32 (widens)
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, i * block[0] + row, k * block[1] + col,
+                                     impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
         dropped = kept_values(keep, x, keep_probability).astype(x.dtype)
         acc_ref[rows, :] += _dot(dropped, w_ref[cols, :], interpret)
 
@@ -225,10 +228,9 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
         grad_w_ref[...] = jnp.zeros(grad_w_ref.shape, jnp.float32)
 
     def body(row, col):
-        rows, cols = pl.ds(row, chunk[0]), pl.ds(col, chunk[1])
         row0 = i * block[0] + row
-        keep = _chunk_mask(key_ref, impl, chunk, row0, k * block[1] + col, K, keep_probability)
-        x = x_ref[rows, cols].astype(w_ref.dtype)
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, row0, k * block[1] + col,
+                                     impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
         g = g_ref[rows, :]
         grad_dropped = _dot(g, w_ref[:, cols], interpret).astype(x.dtype)
         grad_x_ref[rows, cols] = kept_values(keep, grad_dropped, keep_probability).astype(grad_x_ref.dtype)
