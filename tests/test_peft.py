@@ -105,3 +105,74 @@ def test_a_converted_lora_model_trains_and_the_same_seed_repeats_the_run():
     first = train()
     assert first[-1] < first[0]
     assert train() == first
+
+
+def test_checkpointed_lora_layers_recompute_their_forward_masks():
+    """torch_pallas.checkpoint.enable on a PeftModel (frozen embeddings: it turns on input grads,
+    or no adapter would get a gradient through the reentrant regions): the gradients are those of
+    the same layers run without recomputation under the keys the checkpoint draws, so each
+    recomputed fused kernel drew its forward's masks."""
+    def grads(checkpoint_function):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
+        lora = peft.LoraConfig(r=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj", "down_proj"],
+                               init_lora_weights=False)  # lora_B not zero: lora_A's gradients show the masks
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).to(DEVICE).train()
+        checkpoint_function(model)
+        torch_xla.manual_seed(0)
+        with torch_pallas.route_dropout(fuse_matmul=True):
+            batch = ids()
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.requires_grad]
+
+    def same_keys_kept(model):
+        def layer_in_its_key_scope(function, *args):
+            with torch_pallas.seeds.key_scope(torch_pallas.seeds.key_data()):  # what checkpoint draws
+                return function(*args)
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=layer_in_its_key_scope)
+
+    recomputed, kept = read_together(grads(torch_pallas.checkpoint.enable), grads(same_keys_kept))
+    assert len(recomputed) == 3 * 2 * LAYERS and all(grad.abs().sum() > 0 for grad in recomputed)
+    for got, want in zip(recomputed, kept):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_trains_a_converted_lora_model_on_the_xla_device(tmp_path, monkeypatch):
+    """docs/lora.md: transformers' Trainer on the XLA device, with optim="adamw_torch" (its default,
+    fused AdamW, refuses XLA tensors); every LoRA input's dropout runs fused, and the XLA seed set
+    before train() decides the masks and repeats the run (the Trainer's seed does not: transformers'
+    set_seed leaves the XLA RNG, which torch's dropout draws from too, as it was)."""
+    fused_calls = []
+    original = torch_pallas.ops.dropout_linear.apply
+    monkeypatch.setattr(torch_pallas.ops.dropout_linear, "apply",
+                        lambda *args, **kwargs: fused_calls.append(1) or original(*args, **kwargs))
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            tokens = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(index))
+            return {"input_ids": tokens, "labels": tokens}
+
+    def train(xla_seed):
+        torch.manual_seed(0)
+        model = torch_pallas.convert_dropout(lora_llama()[0])
+        args = transformers.TrainingArguments(tmp_path, optim="adamw_torch", max_steps=3, per_device_train_batch_size=2,
+                                              learning_rate=1e-2, seed=0, logging_steps=1, report_to=[],
+                                              save_strategy="no")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        torch_xla.manual_seed(xla_seed)
+        with torch_pallas.route_dropout(fuse_matmul=True):
+            trainer.train()
+        assert model.device.type == "xla"
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    first = train(xla_seed=0)
+    assert len(first) == 3 and len(fused_calls) == 3 * 7 * LAYERS
+    assert train(xla_seed=0) == first
+    # The same batches and initial weights: only the masks differ (lora_B starts at zero, so the
+    # first step's loss has none to show).
+    assert train(xla_seed=1)[1:] != first[1:]

@@ -102,6 +102,7 @@ def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
     4.57: every submodule with a ``gradient_checkpointing`` attribute (each decoder layer,
     say) checkpoints through :func:`checkpoint` when the model is in training mode, so each
     recomputation draws its forward's dropout masks; a model with a PEFT adapter loaded
+    or a PEFT ``PeftModel`` (any model whose input embeddings are frozen when this is called)
     gets ``enable_input_require_grads()``, so that gradients reach the adapters through
     frozen layers. ``model.gradient_checkpointing_disable()`` turns it off again as is.
 
@@ -145,9 +146,19 @@ def enable(model: torch.nn.Module, *, use_reentrant: bool | None = None,
     bridge.check_use_reentrant(use_reentrant)
     setter(enable=True, gradient_checkpointing_func=functools.partial(
         checkpoint, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state))
-    if getattr(model, "_hf_peft_config_loaded", False):
+    if _input_embeddings_frozen(model):
         model.enable_input_require_grads()
     return model
+
+
+def _input_embeddings_frozen(model: torch.nn.Module) -> bool:
+    """Whether the model's input embeddings take no gradient: then no region's input would
+    require grad, and a reentrant checkpoint would pass no gradient to the trainable
+    parameters inside (a LoRA adapter; a PEFT ``PeftModel`` reaches here too, through its
+    attribute forwarding to the transformers model)."""
+    embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    weight = getattr(embeddings, "weight", None)
+    return isinstance(weight, torch.Tensor) and not weight.requires_grad
 
 
 checkpoint.enable = enable
