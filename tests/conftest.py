@@ -1,7 +1,8 @@
 """Suite-wide set-up: the stack (torch_xla's, torchax's or TorchTPU's: whichever this environment
 has), its device (CPU unless PJRT_DEVICE says otherwise) and TPU gating.
 
-``tests/kernels`` (pure JAX) runs on the torch_xla and torchax stacks; the other ``tests/test_*.py`` test the
+``tests/kernels`` (pure JAX) runs on the torch_xla and torchax stacks, ``tests/distributed`` (DTensors on
+real processes) on the torch_xla and TorchTPU stacks; the other ``tests/test_*.py`` test the
 torch_xla stack, ``tests/torchax`` the torchax stack and ``tests/torchtpu`` the TorchTPU stack;
 each stack's run skips the others'.
 """
@@ -61,6 +62,9 @@ if STACK != "xla":
     collect_ignore_glob += ["test_*.py"]
 if STACK != "torchax":
     collect_ignore += ["torchax"]
+else:
+    # DTensors are CPU tensors here: the torch_xla and TorchTPU stacks (torch 2.9, 2.14) run them.
+    collect_ignore += ["distributed"]
 if STACK != "torchtpu":
     collect_ignore += ["torchtpu"]
 else:

@@ -71,14 +71,15 @@ def noise_arguments(p, impl, seed, generator, p_name: str = "p", kind: str = DRO
     return p, impl
 
 
-def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+def check_float_tensor(tensor, name: str, dtypes=FLOAT_DTYPES, *, dtensors: bool = False) -> torch.Tensor:
     """A tensor of one of ``dtypes`` on a device torch_pallas runs on (an XLA device, torchax's
-    ``jax`` device or the CPU), or TypeError/ValueError naming ``name``."""
+    ``jax`` device or the CPU), or TypeError/ValueError naming ``name``; a DTensor only where
+    the op takes them (``dtensors``)."""
     check_tensor(tensor, name)
     if tensor.dtype not in dtypes:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes[:-1])
         raise TypeError(f"{name} must be {names} or {str(dtypes[-1]).removeprefix('torch.')}, got {tensor.dtype}")
-    bridge.check_device(tensor, name)
+    bridge.check_device(tensor, name, dtensors=dtensors)
     return tensor
 
 

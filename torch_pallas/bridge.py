@@ -328,23 +328,22 @@ def check_generator_device(generator: torch.Generator) -> None:
 
 
 def is_dtensor(tensor) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (which torch_pallas ops do
-    not take; routing leaves its calls to torch)."""
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (:mod:`torch_pallas.dtensors`)."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # none exists before it is imported
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
-def check_device(tensor: torch.Tensor, name: str) -> None:
+def check_device(tensor: torch.Tensor, name: str, *, dtensors: bool = False) -> None:
     """Raises unless torch_pallas runs on ``tensor``'s device (:func:`runs_on`) now, naming the
     fix: ``ValueError`` for a device it has no front end for, ``RuntimeError`` for one it
     cannot run on at this point (torchax's ``jax`` device outside torchax's environment),
-    ``TypeError`` for a DTensor."""
-    if is_dtensor(tensor):
+    ``TypeError`` for a DTensor where the op takes none (``dtensors`` false)."""
+    if is_dtensor(tensor) and not dtensors:
         raise TypeError(
-            f"{name} is a DTensor, which torch_pallas ops do not take (its noise would depend on how it is "
-            f"sharded): pass {name}.full_tensor() for the whole tensor's noise, or {name}.to_local() with a "
-            f"seed of each rank's own for per-shard noise. Sharded torch_xla and torchax tensors run per "
-            f"shard with the whole tensor's noise (docs/sharding.md)")
+            f"{name} is a DTensor, which this torch_pallas op does not take yet (dropout, its channel variants "
+            f"and dropout_add do, drawing each shard's part of the whole tensor's noise): pass {name}.full_tensor() "
+            f"for the whole tensor, or {name}.to_local() with a seed of each rank's own for per-shard noise "
+            f"(docs/sharding.md)")
     device = device_of(tensor)
     front = front_end(device.type)
     if front is None:

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_pallas import _checks, bridge, seeds, sharding
+from torch_pallas import _checks, bridge, dtensors, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
 from torch_pallas.kernels.dropout_matmul import check_shapes as check_matmul_shapes
@@ -96,13 +96,38 @@ class DrawnDropout(NamedTuple):
     def output(self) -> torch.Tensor:
         if self.key_data is None:
             return self.x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
+        if bridge.is_dtensor(self.x):
+            return dtensors.shardwise(self.x, None, lambda x, _: self._dropout_of_shard(x), self._dropout_of_shard)
         return dropout_ops.apply(self.x, self.key_data, p=self.p, impl=self.impl,
                                  shared_over_first_dim=self.shared_over_first_dim, sharding_text=self.sharding_text)
 
+    def _dropout_of_shard(self, x):
+        """This dropout's mask on DTensor ``x``'s shard (the output's or its gradient's)."""
+        def dropout_of_block(x, *, global_shape, global_offset):
+            return dropout_ops.apply(x, self.key_data, p=self.p, impl=self.impl,
+                                     shared_over_first_dim=self.shared_over_first_dim, global_shape=global_shape,
+                                     global_offset=global_offset)
+
+        return dtensors.map_noise_blocks(x, (), dropout_of_block, impl=self.impl,
+                                         shared_over_first_dim=self.shared_over_first_dim)
+
     def added_to(self, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self.output()`` in one kernel (a mask over all of ``x`` only)."""
+        """``residual + self.output()`` in one kernel (a mask over all of ``x`` only; for a
+        DTensor, a residual placed as it is, on local shards)."""
         if self.key_data is None:
             return self.x * 0 + residual
+        if bridge.is_dtensor(self.x):
+            if not dtensors.placements_match(self.x, residual):
+                return residual + self.output()
+
+            def added_to_block(x, residual, *, global_shape, global_offset):
+                return dropout_ops.apply_add(x, residual, self.key_data, p=self.p, impl=self.impl,
+                                             global_shape=global_shape, global_offset=global_offset)
+
+            return dtensors.shardwise(
+                self.x, residual, lambda x, residual: dtensors.map_noise_blocks(x, (residual,), added_to_block,
+                                                                                impl=self.impl),
+                self._dropout_of_shard)
         return dropout_ops.apply_add(self.x, residual, self.key_data, p=self.p, impl=self.impl,
                                      sharding_text=self.sharding_text)
 
@@ -129,6 +154,7 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     (a kernel's: not float64) and device, a mask over the whole unsharded weights."""
     weights = drawn.x
     if not (isinstance(value, torch.Tensor) and value.dtype == weights.dtype and value.device == weights.device
+            and not bridge.is_dtensor(weights) and not bridge.is_dtensor(value)
             and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.sharding_text is None
             and sharding.resolve(value) is None):
         return False
@@ -150,7 +176,7 @@ def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
                                                                      _checks.jax_dtype_name(x.dtype))):
         return False
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == x.dtype
-            and weight.device == x.device and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
+            and weight.device == x.device and not bridge.is_dtensor(x) and not bridge.is_dtensor(weight) and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
             and drawn.sharding_text is None and sharding.resolve(weight) is None
             and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl))
 
@@ -164,7 +190,9 @@ def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shar
         raise ValueError("shared_over_first_dim needs an input with at least one dimension")
     if not training or p == 0.0:
         return None
-    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
+    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES, dtensors=True)
+    if bridge.is_dtensor(x):
+        dtensors.check_placements(x)
     if p == 1.0:
         return DrawnDropout(x, None, p, impl, shared_over_first_dim, None)
     sharding_text = None if sharding is None else sharding.check(x.shape, "x", impl, shared_over_first_dim)
@@ -355,17 +383,28 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
                      "please switch to using dropout1d instead.", stacklevel=3)
     if not training or p == 0.0:
         return x
-    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES)
+    _checks.check_float_tensor(x, "x", _checks.DROPOUT_DTYPES, dtensors=True)
     # torch.nn.functional.dropout2d takes any 3-D input as batched (N, C, L).
     leading = 2 if x.dim() == spatial_dims + 2 or name == "dropout2d" else 1
     channels = x.shape[:leading]
     if p == 1.0:
         output = x * 0
+    elif bridge.is_dtensor(x):
+        scale = _channel_scale(x, channels, p, seed, generator, impl)
+        output = dtensors.shardwise(x, None, lambda x, _: dtensors.map_channels(x, scale),
+                                    lambda grad: dtensors.map_channels(grad, scale))
     else:
-        key_data = seeds.draw(seed, generator, bridge.device_of(x))
-        scale = dropout_ops.apply(x.new_ones(channels), key_data, p=p, impl=impl)
+        scale = _channel_scale(x, channels, p, seed, generator, impl)
         output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
     return x.copy_(output) if inplace else output
+
+
+def _channel_scale(x, channels, p, seed, generator, impl) -> torch.Tensor:
+    """The dropout of ones of shape ``channels``: 0 or 1 / (1 - p) per channel (a plain tensor
+    on the device of ``x``'s, or of a DTensor's local shard)."""
+    device = bridge.device_of(x)
+    ones = torch.ones(channels, dtype=x.dtype, device=device) if bridge.is_dtensor(x) else x.new_ones(channels)
+    return dropout_ops.apply(ones, seeds.draw(seed, generator, device), p=p, impl=impl)
 
 
 _FEATURE_DROPOUT_DOC = r"""Randomly zeroes entire channels of ``x`` with probability ``p`` and scales the rest

@@ -66,7 +66,8 @@ def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
     output = drawn.output()
     # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
     # kernel has run already.
-    if drawn.key_data is not None and not torch.compiler.is_compiling() and bridge.runs_lazily(x):
+    if (drawn.key_data is not None and not torch.compiler.is_compiling() and not bridge.is_dtensor(x)
+            and bridge.runs_lazily(x)):
         _remember(output, _DRAWN, (x,), (next(_draws), drawn))
     return output
 
@@ -375,11 +376,13 @@ def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
                     and isinstance(residual, torch.fx.Node)
                     and _addable_in_one_kernel(dropped.meta.get("val"), residual.meta.get("val"))):
                 continue
-            x, key_data, p, impl, shared_over_first_dim, *_, sharding_text = _dropout_arguments(dropped)
+            (x, key_data, p, impl, shared_over_first_dim, _, _, sharding_text, global_shape,
+             global_offset) = _dropout_arguments(dropped)
             if shared_over_first_dim:
                 continue
             with graph.inserting_before(add):
-                total = graph.call_function(dropout_add, (x, residual, key_data, p, impl, sharding_text))
+                total = graph.call_function(dropout_add, (x, residual, key_data, p, impl, sharding_text, global_shape,
+                                                          global_offset))
             total.meta.update(add.meta)
             add.replace_all_uses_with(total)
             graph.erase_node(add)
@@ -393,7 +396,7 @@ def fuse_residual_dropouts(graph_module: torch.fx.GraphModule) -> int:
 
 
 def _dropout_arguments(node: torch.fx.Node) -> list:
-    """A ``torch_pallas::dropout`` node's eight arguments, defaults filled in."""
+    """A ``torch_pallas::dropout`` node's ten arguments, defaults filled in."""
     schema = torch.ops.torch_pallas.dropout.default._schema
     values = list(node.args)
     for argument in schema.arguments[len(values):]:

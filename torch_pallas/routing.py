@@ -130,9 +130,10 @@ class route_dropout(TorchFunctionMode):
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()
             input, p, training = call.args[:3]
-            if input.is_floating_point() and bridge.runs_on(input.device) and not bridge.is_dtensor(input):
+            if input.is_floating_point() and bridge.runs_on(input.device):
                 inplace = call.arguments.get("inplace", False)
-                if (self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace:
+                if ((self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace
+                        and not bridge.is_dtensor(input)):
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
                 return ours(input, p, training, inplace, impl=self.impl)
         elif ((self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS

@@ -111,10 +111,8 @@ class Sharding:
             ValueError: naming ``name`` and what the kernel cannot follow.
         """
         shard_shape = self.shard_shape(shape, name)
-        if prng.per_tile(impl):
-            elementwise.per_tile_view(shard_shape, shape, shared_over_first_dim, impl)
-        elif impl is not None:
-            elementwise.check_index_dims(shard_shape, shape, shared_over_first_dim)
+        if impl is not None:
+            check_noise_block(shard_shape, shape, impl, shared_over_first_dim)
         return self.text
 
     def shard_offset_words(self, shape: Sequence[int], shared_over_first_dim: bool = False) -> np.ndarray:
@@ -132,6 +130,25 @@ class Sharding:
             offsets = offsets + index * np.uint64(local[dim] * math.prod(shape[dim + 1:]))
         words = np.stack([offsets >> np.uint64(32), offsets & np.uint64(0xFFFFFFFF)], axis=-1)
         return words.astype(np.uint32).view(np.int32)
+
+
+def check_noise_block(block_shape: Sequence[int], shape: Sequence[int], impl: str,
+                      shared_over_first_dim: bool = False) -> None:
+    """Raises ValueError unless a noise kernel of ``impl`` can draw, for a block of
+    ``block_shape`` of a tensor of ``shape``, that block's part of the whole tensor's noise:
+    for the per-tile impls a contiguous run of whole bands of tiles
+    (:func:`elementwise.per_tile_view`), else a block split along at most two dims besides the
+    first (:func:`elementwise.check_index_dims`)."""
+    if prng.per_tile(impl):
+        elementwise.per_tile_view(block_shape, shape, shared_over_first_dim, impl)
+    else:
+        elementwise.check_index_dims(block_shape, shape, shared_over_first_dim)
+
+
+def offset_words(flat_offset: int) -> list[int]:
+    """The high and low words of the 64-bit flat index ``flat_offset``, each as a signed int32,
+    as the kernels read a block's offset (see :meth:`Sharding.shard_offset_words`)."""
+    return np.array([flat_offset >> 32, flat_offset & 0xFFFFFFFF], dtype=np.uint32).view(np.int32).tolist()
 
 
 def with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):

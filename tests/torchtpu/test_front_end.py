@@ -83,20 +83,31 @@ def two_rank_mesh():
         dist.destroy_process_group()
 
 
-def test_a_dtensor_is_refused_with_the_fix_and_left_to_torch_by_routing(two_rank_mesh):
-    """docs/sharding.md, DTensors: torch_pallas takes none; route_dropout leaves them to torch."""
+def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
+    """docs/sharding.md, DTensors: on fake tpu tensors and a fake two-rank group, dropout of a
+    DTensor (called, routed, in a converted module) dispatches torch_pallas's kernel on the rank's
+    shard with the whole tensor's shape and keeps the placement; ops that take no DTensor yet
+    say so, and SDPA of DTensors stays torch's."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    on_cpu = distribute_tensor(torch.randn(8, 128), two_rank_mesh("cpu"), [Shard(0)])
     tpu_mesh = two_rank_mesh("tpu")  # outside fake mode: the mesh reads its own ranks
     with FakeTensorMode():
         x = distribute_tensor(torch.randn(8, 128, device="tpu"), tpu_mesh, [Shard(0)])
-        with pytest.raises(TypeError, match=r"x is a DTensor.*x\.full_tensor\(\).*x\.to_local\(\)"):
-            torch_pallas.dropout(x, 0.5, seed=1)
-    with DispatchedOps() as dispatched, torch_pallas.route_dropout():
-        dropped = torch.nn.functional.dropout(on_cpu, 0.5)
-        with pytest.warns(UserWarning, match="dropout_p is applied by torch"):
-            attended = torch.nn.functional.scaled_dot_product_attention(on_cpu[None], on_cpu[None], on_cpu[None],
-                                                                          dropout_p=0.5)
-    assert type(dropped).__name__ == type(attended).__name__ == "DTensor"
-    assert not torch_pallas_ops(dispatched.names), dispatched.names
+        with DispatchedOps(record_args=True) as dispatched:
+            outputs = [torch_pallas.dropout(x, 0.5, seed=1, impl="threefry"),
+                       torch_pallas.convert_dropout(torch.nn.Dropout(0.5))(x)]
+            with torch_pallas.route_dropout():
+                outputs.append(torch.nn.functional.dropout(x, 0.5))
+                with pytest.warns(UserWarning, match="dropout_p is applied by torch"):
+                    attended = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None],
+                                                                                  dropout_p=0.5)
+        with pytest.raises(TypeError, match=r"query is a DTensor.*does not take yet.*query\.full_tensor\(\)"):
+            torch_pallas.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], dropout_p=0.5)
+    kernels = [args for name, args in dispatched.calls if name == "torch_pallas::dropout"]
+    # threefry draws the shard's rows; the default, tiled, draws the one band of (8, 128) tiles the
+    # shard is half of (padded), then keeps the shard's rows.
+    assert [tuple(args[0].shape) for args in kernels] == [(4, 128), (8, 128), (8, 128)]
+    assert all(args[0].device.type == "tpu" and list(args[8]) == [8, 128] for args in kernels)  # global_shape
+    for output in outputs:
+        assert type(output).__name__ == "DTensor" and output.placements == (Shard(0),) and output.shape == (8, 128)
+    assert type(attended).__name__ == "DTensor" and "torch_pallas::flash_attention" not in dispatched.names

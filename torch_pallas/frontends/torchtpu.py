@@ -11,9 +11,8 @@ on its CPU backend (:func:`_keep_jax_off_the_tpu`), and Pallas lowers the kernel
 compile-only TPU device of the generation TorchTPU's device has (:func:`_generation`), so JAX
 never claims the TPU TorchTPU owns. Kernels are lowered for TPU (Mosaic), never interpreted.
 
-Not yet here: sharded (DTensor) inputs (no :class:`~torch_pallas.bridge.ShardingFrontEnd`: the
-bridge refuses DTensors, :func:`torch_pallas.bridge.check_device`); nothing of this module has
-run on a TPU.
+DTensors of ``tpu`` tensors run their local shards through this front end as plain tensors
+(:mod:`torch_pallas.dtensors`); nothing of this module has run on a TPU.
 """
 
 from __future__ import annotations

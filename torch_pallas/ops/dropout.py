@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout as dropout_kernels, prng
 from torch_pallas.kernels.tiling import ElementwiseBlocks
@@ -19,7 +19,8 @@ from torch_pallas.kernels.tiling import ElementwiseBlocks
 
 def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: str, shared_over_first_dim: bool,
                      blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-                     sharding_text: Optional[str] = None) -> torch.Tensor:
+                     sharding_text: Optional[str] = None, global_shape: Optional[Sequence[int]] = None,
+                     global_offset: int = 0) -> torch.Tensor:
     """``where(bernoulli(key, 1 - p), x / (1 - p), x * 0)``; arguments pre-checked.
 
     ``shared_over_first_dim`` draws one mask of shape ``x.shape[1:]`` for every index of
@@ -27,7 +28,9 @@ def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: st
     or ``None`` for the default) are chosen independently; the mask depends on neither.
     ``sharding_text`` (the text of x's :class:`~torch_pallas.sharding.Sharding`): the kernel
     runs on each device's shard, which gets its part of the unsharded mask.
-    A float64 ``x`` gets the float32 kernel's mask, applied in float64 outside the kernel.
+    ``global_shape``: ``x`` is a block of a tensor of that shape (a DTensor's local shard)
+    whose first element is at flat index ``global_offset`` there; it gets its part of that
+    tensor's mask (:mod:`torch_pallas.dtensors`). A float64 ``x`` gets the float32 kernel's mask, applied in float64 outside the kernel.
     """
     if x.numel() == 0:
         return torch.empty_like(x)
@@ -37,7 +40,7 @@ def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: st
         # tensor a torchax one, even for a CPU x
         ones = torch.ones_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
         keep = _compute_dropout(ones, key_data, p, impl, shared_over_first_dim, blocks,
-                                backward_blocks, sharding_text) != 0
+                                backward_blocks, sharding_text, global_shape, global_offset) != 0
         return torch.where(keep, x / (1 - p), x * 0)
     options = dict(p=p, impl=impl, blocks=None if blocks is None else ElementwiseBlocks(*blocks),
                    shared_over_first_dim=shared_over_first_dim)
@@ -45,7 +48,18 @@ def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: st
         dims = tuple(range(x.dim()))
         return bridge.call_sharded(dropout_kernels.dropout, sharding_text, [key_data, x], [(None,), dims], [dims],
                                    noise_shape=x.shape, **options)
+    if global_shape is not None:
+        return _in_layout_of(x, _call_on_block(dropout_kernels.dropout, key_data, x, global_shape=global_shape,
+                                               global_offset=global_offset, **options))
     return _in_layout_of(x, bridge.call(dropout_kernels.dropout, key_data, x, **options))
+
+
+def _call_on_block(kernel, key_data, *arrays, global_shape, global_offset, **static):
+    """``kernel`` on ``arrays``, a block of a tensor of ``global_shape`` starting at flat index
+    ``global_offset``: the noise of that block of the whole tensor."""
+    offset_words = torch.tensor(sharding.offset_words(global_offset), dtype=torch.int32, device=key_data.device)
+    return bridge.call(sharding.with_shard_offset, key_data, offset_words, *arrays, kernel=kernel,
+                       global_shape=tuple(global_shape), **static)
 
 
 def _in_layout_of(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -71,26 +85,31 @@ def _(x, key_data, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    _, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding_text = inputs
+    _, key_data, p, impl, shared_over_first_dim, ctx.blocks, ctx.backward_blocks, ctx.sharding_text, *ctx.block = inputs
+    ctx.options = (p, impl, shared_over_first_dim)
     ctx.save_for_backward(key_data)  # 8 bytes: the mask is regenerated, not stored
     ctx.save_for_forward(key_data)
 
 
 def _backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = _apply(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding_text)
-    return grad_x, None, None, None, None, None, None, None
+    grad_x = _apply(grad_output, key_data, *ctx.options, ctx.backward_blocks, ctx.blocks, ctx.sharding_text,
+                    *ctx.block)
+    return grad_x, None, None, None, None, None, None, None, None, None
 
 
 def _jvp(ctx, grad_x, *_):
     # Dropout is linear in x: the tangent goes through the same mask.
     (key_data,) = ctx.saved_tensors
-    return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding_text)
+    return dropout(grad_x, key_data, *ctx.options, ctx.blocks, ctx.backward_blocks, ctx.sharding_text, *ctx.block)
 
 
 def _batched_dropout(info, in_dims, x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks,
-                     sharding_text=None):
+                     sharding_text=None, global_shape=None, global_offset=0):
     # A batched sample is not the tensor the sharding describes: vmap runs on whole tensors.
+    if global_shape is not None:
+        raise ValueError("torch.func.vmap of torch_pallas's dropout of a DTensor's shard: vmap the function of "
+                         "whole tensors, or of the DTensor's to_local()")
     x_dim, key_dim = in_dims[:2]
     options = (p, impl)
     samples = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
@@ -120,24 +139,32 @@ _apply = _autograd.differentiable(dropout, _compute_dropout, public_name="torch_
 
 def apply(x: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str, shared_over_first_dim: bool = False,
           blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
-          sharding_text: Optional[str] = None) -> torch.Tensor:
+          sharding_text: Optional[str] = None, global_shape: Optional[Sequence[int]] = None,
+          global_offset: int = 0) -> torch.Tensor:
     """The op :data:`dropout` (its arguments as :func:`_compute_dropout` takes them), differentiable
     under autograd, ``torch.func`` (grad, vjp, jvp, vmap) and ``torch.compile``."""
-    return _apply(x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks, sharding_text)
+    return _apply(x, key_data, p, impl, shared_over_first_dim, blocks, backward_blocks, sharding_text, global_shape,
+                  global_offset)
 
 
 def _compute_dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
-                         sharding_text: Optional[str] = None) -> torch.Tensor:
+                         sharding_text: Optional[str] = None, global_shape: Optional[Sequence[int]] = None,
+                         global_offset: int = 0) -> torch.Tensor:
     """``residual + dropout(x, key_data, p, impl)`` in one kernel (x and residual of one shape
-    and dtype; pre-checked). Its backward is :func:`dropout` on the gradient."""
+    and dtype; pre-checked; the sharding and block arguments as :func:`_compute_dropout`'s). Its
+    backward is :func:`dropout` on the gradient."""
     if x.numel() == 0:
         return torch.empty_like(x)
     if x.dtype == torch.float64:
-        return residual + _compute_dropout(x, key_data, p, impl, False, None, None, sharding_text)
+        return residual + _compute_dropout(x, key_data, p, impl, False, None, None, sharding_text, global_shape,
+                                           global_offset)
     if sharding_text is not None:
         dims = tuple(range(x.dim()))
         return bridge.call_sharded(dropout_kernels.dropout_add, sharding_text, [key_data, x, residual],
                                    [(None,), dims, dims], [dims], noise_shape=x.shape, p=p, impl=impl)
+    if global_shape is not None:
+        return _call_on_block(dropout_kernels.dropout_add, key_data, x, residual, global_shape=global_shape,
+                              global_offset=global_offset, p=p, impl=impl)
     return bridge.call(dropout_kernels.dropout_add, key_data, x, residual, p=p, impl=impl)
 
 
@@ -150,21 +177,23 @@ def _(x, residual, key_data, *options):
 
 
 def _add_setup_context(ctx, inputs, output):
-    _, _, key_data, ctx.p, ctx.impl, ctx.sharding_text = inputs
+    _, _, key_data, ctx.p, ctx.impl, ctx.sharding_text, ctx.global_shape, ctx.global_offset = inputs
     ctx.save_for_backward(key_data)  # 8 bytes, as dropout's
     ctx.save_for_forward(key_data)
 
 
 def _add_backward(ctx, grad_output):
     (key_data,) = ctx.saved_tensors
-    grad_x = apply(grad_output, key_data, p=ctx.p, impl=ctx.impl, sharding_text=ctx.sharding_text)
-    return grad_x, grad_output, None, None, None, None
+    grad_x = apply(grad_output, key_data, p=ctx.p, impl=ctx.impl, sharding_text=ctx.sharding_text,
+                   global_shape=ctx.global_shape, global_offset=ctx.global_offset)
+    return grad_x, grad_output, None, None, None, None, None, None
 
 
 @dropout_add.register_vmap
-def _(info, in_dims, x, residual, key_data, p, impl, sharding_text=None):
+def _(info, in_dims, x, residual, key_data, p, impl, sharding_text=None, global_shape=None, global_offset=0):
     x_dim, residual_dim, key_dim = in_dims[:3]
-    dropped, _ = _batched_dropout(info, (x_dim, key_dim), x, key_data, p, impl, False, None, None)
+    dropped, _ = _batched_dropout(info, (x_dim, key_dim), x, key_data, p, impl, False, None, None, None,
+                                  global_shape, global_offset)
     residual = residual.movedim(residual_dim, 0) if residual_dim is not None else residual
     return dropped + residual, 0
 
@@ -172,7 +201,7 @@ def _(info, in_dims, x, residual, key_data, p, impl, sharding_text=None):
 def _add_jvp(ctx, grad_x, grad_residual, *_):
     (key_data,) = ctx.saved_tensors
     tangent = None if grad_x is None else dropout(grad_x, key_data, ctx.p, ctx.impl, False, None, None,
-                                                  ctx.sharding_text)
+                                                  ctx.sharding_text, ctx.global_shape, ctx.global_offset)
     if grad_residual is None:
         return tangent
     return grad_residual if tangent is None else tangent + grad_residual
@@ -183,7 +212,8 @@ _apply_add = _autograd.differentiable(dropout_add, _compute_dropout_add, public_
 
 
 def apply_add(x: torch.Tensor, residual: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
-              sharding_text: Optional[str] = None) -> torch.Tensor:
+              sharding_text: Optional[str] = None, global_shape: Optional[Sequence[int]] = None,
+              global_offset: int = 0) -> torch.Tensor:
     """The op :data:`dropout_add`, differentiable under autograd, ``torch.func`` and
     ``torch.compile``."""
-    return _apply_add(x, residual, key_data, p, impl, sharding_text)
+    return _apply_add(x, residual, key_data, p, impl, sharding_text, global_shape, global_offset)

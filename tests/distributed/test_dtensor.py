@@ -1,0 +1,75 @@
+"""docs/sharding.md, DTensors: torch_pallas's dropout, its channel variants and dropout_add take
+``torch.distributed`` DTensors, each rank drawing its shard's part of the whole tensor's noise;
+sharded equals unsharded bit for bit, values and gradients, on 2 and 4 real processes (gloo,
+CPU tensors), each group in processes of its own (tests/dtensor_cases.py runs the cases)."""
+
+import multiprocessing
+import os
+import tempfile
+
+import pytest
+import torch
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dtensor_cases import worker
+
+# (global shape, why): a tensor whose tiled 2-D view is one row (uneven shards cut its tiles), one
+# whose dims split evenly into whole bands of tiles only along the batch, and a 2-D one.
+ONE_ROW, BANDS, MATRIX = (3, 50, 40), (4, 64, 128), (8, 384)
+
+CASES = {2: {}, 4: {}}
+for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
+    one_dim = len(mesh) == 1
+    placement_sets = ([[Shard(0)], [Shard(1)], [Shard(2)], [Replicate()], [Partial()]] if one_dim else
+                      [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Replicate(), Shard(2)], [Shard(1), Partial()]])
+    for impl in ("tiled", "threefry"):
+        for shape in (ONE_ROW, BANDS):
+            for placements in placement_sets:
+                name = f"dropout-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
+                CASES[world][name] = dict(op="dropout", impl=impl, shape=shape, placements=placements, mesh=mesh,
+                                          key="seed")
+    if one_dim:
+        more = {
+            "matrix-rows-bfloat16": dict(op="dropout", impl="tiled", shape=MATRIX, placements=[Shard(0)],
+                                         dtype=torch.bfloat16, key="seed"),
+            "matrix-columns": dict(op="dropout", impl="tiled", shape=MATRIX, placements=[Shard(1)], key="seed"),
+            "shared-mask-threefry": dict(op="dropout", impl="threefry", shape=BANDS, placements=[Shard(1)],
+                                         shared=True, key="seed"),
+            "generator-key-seeded-alike": dict(op="dropout", impl="tiled", shape=BANDS, placements=[Shard(1)]),
+            "routed-F.dropout": dict(op="routed", impl=None, shape=BANDS, placements=[Shard(1)]),
+            "converted-nn.Dropout": dict(op="converted", impl=None, shape=ONE_ROW, placements=[Shard(1)]),
+            "dropout_add": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Shard(1)]),
+            "dropout_add-partial": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Partial()]),
+            "dropout2d-channels": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(1)]),
+            "dropout2d-spatial": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(2)]),
+            "sequence-parallel-converted-block": dict(op="sequence_parallel", shape=BANDS),
+            "colwise-parallel-converted-block": dict(op="colwise", shape=BANDS),
+        }
+        for name, case in more.items():
+            CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every case's outcome on every rank: {world: {case: [None or the failure, per rank]}}."""
+    context = multiprocessing.get_context("spawn")
+    everything = {}
+    for world, cases in CASES.items():
+        with tempfile.TemporaryDirectory() as directory:
+            results = context.Queue()
+            processes = [context.Process(target=worker, args=(rank, world, os.path.join(directory, "store"),
+                                                              cases, results)) for rank in range(world)]
+            for process in processes:
+                process.start()
+            by_rank = dict(results.get(timeout=600) for _ in processes)
+            for process in processes:
+                process.join(timeout=60)
+        everything[world] = {name: [by_rank[rank][name] for rank in range(world)] for name in cases}
+    return everything
+
+
+@pytest.mark.parametrize("world,name", [(world, name) for world, cases in CASES.items() for name in cases])
+def test_a_dtensor_shard_draws_its_part_of_the_unsharded_noise(outcomes, world, name):
+    failures = [f"rank {rank}: {failure}" for rank, failure in enumerate(outcomes[world][name]) if failure]
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,169 @@
+"""The DTensor cases of test_dtensor.py, run in real processes (gloo, CPU tensors): every rank
+builds its shard of a global tensor with no collective (``DTensor.from_local``), runs the op, and
+compares its local output and gradient with the same block of the unsharded call, which it
+computes itself. No case communicates, so a rank's failure cannot hang the others."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+SEED = 5
+
+
+def block_of(global_tensor, mesh, placements, rank_of_partial=0):
+    """The local shard of ``global_tensor`` placed as ``placements`` (a Partial sum: all of it
+    on the mesh coordinate 0 of that dim, zeros elsewhere) and its slices in the whole."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_tensor.shape, mesh, placements)
+    slices = tuple(slice(start, start + size) for start, size in zip(offset, shape))
+    local = global_tensor[slices].clone()
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Partial) and coordinate[dim] != rank_of_partial:
+            local = local * 0
+    return local, slices
+
+
+def distributed(global_tensor, mesh, placements):
+    from torch.distributed.tensor import DTensor
+
+    local, _ = block_of(global_tensor, mesh, placements)
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=global_tensor.shape,
+                              stride=global_tensor.stride())
+
+
+def expected_block(whole, mesh, placements):
+    """What a rank holds of ``whole`` computed unsharded, for output placements ``placements``
+    (a Partial output: all of it at coordinate 0, zeros elsewhere, as the inputs were built)."""
+    return block_of(whole, mesh, placements)[0]
+
+
+def assert_block(got, whole, mesh, placements, what):
+    want = expected_block(whole, mesh, placements)
+    assert tuple(got.placements) == tuple(placements), f"{what}: placements {got.placements} != {placements}"
+    local = got.to_local()
+    assert torch.equal(local, want), f"{what}: the shard differs from the unsharded call's block " \
+                                     f"({(local != want).sum()} of {want.numel()} elements)"
+
+
+def run_case(case: dict, mesh) -> None:
+    """One case: an op (``op``: name), a global shape, dtype, placements, impl."""
+    import torch_pallas
+    from torch.distributed.tensor import Partial
+
+    op, shape, placements, impl = case["op"], case["shape"], case["placements"], case.get("impl")
+    dtype = case.get("dtype", torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    grad = torch.randn(shape, generator=generator).to(dtype)
+    residual = torch.randn(shape, generator=generator).to(dtype)
+    options = dict(impl=impl) if op != "routed" else {}
+    if op in ("dropout", "routed", "converted"):
+        key = dict(seed=SEED) if case.get("key") == "seed" else {}
+
+        def call(t):
+            if op == "routed":
+                with torch_pallas.route_dropout(impl=impl):
+                    return torch.nn.functional.dropout(t, 0.3)
+            if op == "converted":
+                module = torch_pallas.convert_dropout(torch.nn.Dropout(0.3), impl=impl)
+                return module(t)
+            if not key:
+                return torch_pallas.dropout(t, 0.3, shared_over_first_dim=case.get("shared", False), **options)
+            return torch_pallas.dropout(t, 0.3, shared_over_first_dim=case.get("shared", False), **key, **options)
+    elif op == "dropout_add":
+        def call(t, r):
+            return torch_pallas.dropout_add(t, r, 0.3, seed=SEED, **options)
+    elif op == "dropout2d":
+        def call(t):
+            return torch_pallas.dropout2d(t, 0.3, seed=SEED, **options)
+    else:
+        raise ValueError(op)
+
+    # Ranks draw alike: every one's generator is seeded alike before each call (what a user does).
+    whole_x = x.clone().requires_grad_()
+    whole_residual = residual.clone().requires_grad_()
+    torch.manual_seed(SEED)
+    whole = call(whole_x, whole_residual) if op == "dropout_add" else call(whole_x)
+    whole.backward(grad)
+    sharded_x = distributed(x, mesh, placements).requires_grad_()
+    residual_placements = case.get("residual_placements", placements)
+    sharded_residual = distributed(residual, mesh, residual_placements).requires_grad_()
+    torch.manual_seed(SEED)
+    out = call(sharded_x, sharded_residual) if op == "dropout_add" else call(sharded_x)
+    if op == "dropout_add" and residual_placements != placements:
+        out = out.redistribute(mesh, placements)
+    out.backward(distributed(grad, mesh, out.placements))
+    assert_block(out, whole.detach(), mesh, placements, "output")
+    assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient")
+    if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in residual_placements):
+        # (a Partial residual's gradient is torch's business: its add reduces it to a Replicate one)
+        assert_block(sharded_residual.grad, whole_residual.grad, mesh, residual_placements, "residual's gradient")
+
+
+def run_parallel_module_case(case: dict, mesh) -> None:
+    """A converted block under torch's tensor-parallel plans (``parallelize_module``): its
+    dropout gets the plan's DTensor, and the output and the input's gradient are the unsharded
+    block's. ``sequence_parallel``: LayerNorm then Dropout, each ``SequenceParallel()`` (the input
+    split along the sequence, Shard(1)); ``colwise``: a Linear ``ColwiseParallel(use_local_output=False)``
+    (its output split along the features, Shard(2)), then Dropout."""
+    import torch_pallas
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    shape = case["shape"]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator)
+    grad = torch.randn(shape, generator=generator)
+
+    def block():
+        torch.manual_seed(0)
+        first = torch.nn.LayerNorm(shape[-1]) if case["op"] == "sequence_parallel" else torch.nn.Linear(*shape[-1:] * 2)
+        return torch_pallas.convert_dropout(torch.nn.Sequential(first, torch.nn.Dropout(0.3)))
+
+    if case["op"] == "sequence_parallel":
+        plan, input_placements, output_placements = {"0": SequenceParallel(), "1": SequenceParallel()}, [Shard(1)], [Shard(1)]
+    else:
+        plan, input_placements, output_placements = {"0": ColwiseParallel(use_local_output=False)}, None, [Shard(2)]
+    whole_x = x.clone().requires_grad_()
+    whole_block = block()
+    torch.manual_seed(SEED)
+    whole = whole_block(whole_x)
+    whole.backward(grad)
+    sharded_block = parallelize_module(block(), mesh, plan)
+    local_x = (block_of(x, mesh, input_placements)[0] if input_placements else x.clone()).requires_grad_()
+    torch.manual_seed(SEED)
+    out = sharded_block(local_x)
+    out.backward(distributed(grad, mesh, output_placements))
+    assert_block(out, whole.detach(), mesh, output_placements, "output")
+    if input_placements:  # (colwise: a replicated input's gradient is all-reduced by torch, not checked here)
+        assert torch.equal(local_x.grad, block_of(whole_x.grad, mesh, input_placements)[0]), "x's gradient"
+
+
+def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        meshes = {}
+        outcome = {}
+        for name, case in cases.items():
+            mesh_shape = case["mesh"]
+            if mesh_shape not in meshes:
+                meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)  # a collective: every rank, in order
+            try:
+                (run_parallel_module_case if case["op"] in ("sequence_parallel", "colwise") else run_case)(
+                    case, meshes[mesh_shape])
+                outcome[name] = None
+            except Exception:  # noqa: BLE001  (reported to the test, which fails with it)
+                outcome[name] = traceback.format_exc(limit=-4)
+        results.put((rank, outcome))
+    finally:
+        dist.destroy_process_group()

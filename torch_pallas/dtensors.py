@@ -1,0 +1,219 @@
+"""Noise ops on ``torch.distributed`` DTensors: each rank runs the kernel on its local shard,
+which draws that shard's part of the whole tensor's noise, with no communication. So a
+DTensor's masks are those of the unsharded call for the same key, whatever the mesh and the
+placements (``Shard`` on any dim, with torch's uneven shards; ``Replicate``; ``Partial``,
+through which dropout passes: the dropout of a sum of partial tensors is the sum of their
+dropouts under one mask), and the outputs keep the input's placements.
+
+How a shard draws its part:
+
+* ``impl="threefry"`` draws per element of the whole tensor's flat index: the kernel takes any
+  block split along at most two dims besides the first, with its offset in the whole tensor.
+* The per-tile impls (``"tiled"``, ``"hardware"``) draw per tile of the whole tensor's 2-D view
+  (:func:`torch_pallas.kernels.elementwise.per_tile_view`). A shard is cut into the runs of the
+  view it occupies (one run per index of the dims before the last split one: one per sequence
+  for a split along the sequence); each run is padded with zeros to the bands of tiles it
+  touches, the kernel draws those bands, and the padding is cut off again. Where a shard is
+  whole bands nothing is padded; the padding costs at most a band per run, in the forward and
+  backward kernels alike, and nothing is stored. A shard of many runs (a split along the last
+  dim: tensor parallelism's column shards) is scattered instead into the bands it spans, as
+  many as the whole tensor's, for one kernel call: each rank then draws the whole tensor's
+  noise, where ``impl="threefry"`` draws only its shard's.
+
+The key is drawn on each rank as for a plain tensor (a ``seed``, a ``generator``, or the RNG of
+the shard's device), so ranks must draw alike: seeded alike, as torch's own DTensor random ops
+also require (:ref:`DTensors <dtensors>`).
+
+Tested with real processes on torch 2.9 and 2.14 (``tests/distributed``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from torch_pallas import bridge
+from torch_pallas.kernels import elementwise, prng, tiling
+from torch_pallas.sharding import check_noise_block
+
+__all__ = ["check_placements", "map_channels", "map_noise_blocks", "placements_match", "shardwise"]
+
+
+def check_placements(x, name: str = "x") -> None:
+    """Raises ValueError for a DTensor placement the noise ops cannot follow: anything but
+    ``Shard``, ``Replicate`` and ``Partial`` (``_StridedShard``, the interleaved shards FSDP2
+    gives tensor-parallel parameters, is not a block of the whole tensor)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    for placement in x.placements:
+        if type(placement) not in (Shard, Replicate, Partial):
+            raise ValueError(f"{name} is a DTensor placed {placement} on its mesh; torch_pallas's noise ops take "
+                             f"Shard, Replicate and Partial placements: redistribute it to those first "
+                             f"({name}.redistribute(mesh, placements))")
+
+
+def _local_block(x) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shard's shape and its offset along each dim of the whole tensor: each ``Shard``
+    placement, in mesh-dim order, splits what the earlier ones left as ``torch.chunk`` does
+    (chunks of ``ceil(size / ranks)``, the last ones shorter or empty), as DTensor places shards.
+    Plain arithmetic on the mesh coordinate, so it also runs on fake tensors."""
+    from torch.distributed.tensor import Shard
+
+    shape, offset = list(x.shape), [0] * x.dim()
+    for mesh_dim, (placement, index) in enumerate(zip(x.placements, x.device_mesh.get_coordinate())):
+        if isinstance(placement, Shard):
+            dim = placement.dim % x.dim()
+            chunk = -(-shape[dim] // x.device_mesh.size(mesh_dim))
+            start = min(index * chunk, shape[dim])
+            offset[dim] += start
+            shape[dim] = min(chunk, shape[dim] - start)
+    return tuple(shape), tuple(offset)
+
+
+def _flat_offset(offset: Sequence[int], shape: Sequence[int], shared_over_first_dim: bool) -> int:
+    """The flat index, in the noise of a tensor of ``shape``, of the element at ``offset``
+    (``shared_over_first_dim``: in the noise of ``shape[1:]``)."""
+    first = 1 if shared_over_first_dim else 0
+    return sum(index * math.prod(shape[d + 1:]) for d, index in enumerate(offset) if d >= first)
+
+
+class _Shardwise(torch.autograd.Function):
+    """A map of DTensors computed shard by shard, linear in ``x`` (plus ``residual``): its
+    gradient is ``adjoint`` of the output's, and the output's itself for ``residual``. Autograd
+    does not go through ``to_local`` and ``from_local``: with uneven shards their backward gives
+    the local gradient a stride of even ones, and the gradient comes back all-gathered
+    (``Replicate``) when it reaches ``x`` (torch 2.9 to 2.14)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, forward, adjoint):
+        ctx.adjoint, ctx.mesh, ctx.placements = adjoint, x.device_mesh, x.placements
+        ctx.residual_placements = None if residual is None else residual.placements
+        return forward(x, residual)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if grad.placements != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        grad_residual = None
+        if ctx.residual_placements is not None:
+            # A new DTensor: handed the incoming one, which autograd holds too, AccumulateGrad
+            # would copy it into new_empty_strided's DTensor, which is Replicate (all-gathered).
+            grad_residual = _like(grad.redistribute(ctx.mesh, ctx.residual_placements).to_local().clone(), grad)
+        return ctx.adjoint(grad), grad_residual, None, None
+
+
+def _like(local: torch.Tensor, x):
+    """The DTensor of shard ``local`` placed as ``x``, with ``x``'s global shape and stride."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def shardwise(x, residual, forward: Callable, adjoint: Callable):
+    """``forward(x, residual)`` (``residual`` a DTensor or ``None``), a DTensor computed from the
+    local shards (:func:`map_noise_blocks`, :func:`map_channels`) and linear in ``x``,
+    differentiable: ``x``'s gradient is ``adjoint(grad)``, ``residual``'s ``grad``."""
+    return _Shardwise.apply(x, residual, forward, adjoint)
+
+
+def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shared_over_first_dim: bool = False,
+                     name: str = "x"):
+    """``block_op(local, *other_locals, global_shape=..., global_offset=...)`` on the blocks of
+    DTensor ``x``'s local shard (and of ``others``, DTensors placed as ``x``) that its kernel
+    can draw (see the module's docstring), put together into a DTensor placed as ``x``.
+    ``block_op`` is a noise op of elementwise blocks: its output has its first argument's
+    shape, and a zero input gives a zero output.
+
+    Raises:
+        ValueError: a placement :func:`check_placements` refuses, or a shard the kernel cannot
+            draw its part of, naming ``impl="threefry"``.
+    """
+    check_placements(x, name)
+    shape = tuple(x.shape)
+    local_shape, offset = _local_block(x)
+    locals_ = [x.to_local(), *(other.to_local() for other in others)]
+    if math.prod(local_shape) == 0:
+        output = locals_[0] * 0  # an empty shard (more ranks than rows): nothing to draw
+    elif not prng.per_tile(impl) or shared_over_first_dim or local_shape == shape:
+        check_noise_block(local_shape, shape, impl, shared_over_first_dim)
+        output = block_op(*locals_, global_shape=shape,
+                          global_offset=_flat_offset(offset, shape, shared_over_first_dim))
+    else:
+        output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl)
+    return _like(output, x)
+
+
+def map_channels(x, scale: torch.Tensor):
+    """``x * scale`` for DTensor ``x`` and a plain ``scale`` of ``x``'s leading dims (a channel
+    dropout's mask, drawn whole): each rank scales its shard by its block of ``scale``."""
+    check_placements(x)
+    local_shape, offset = _local_block(x)
+    block = scale[tuple(slice(start, start + size) for start, size in zip(offset[:scale.dim()], local_shape))]
+    output = x.to_local() * block.reshape(*block.shape, *[1] * (x.dim() - scale.dim()))
+    return _like(output, x)
+
+
+# Beyond this many runs in a shard, one kernel over the span of all of them (the whole tensor,
+# for a split along its last dim) costs less than a call per run.
+_MOST_CALLS = 16
+
+
+def _in_covering_bands(locals_: list, block_op: Callable, shape: tuple, local_shape: tuple, offset: tuple,
+                       impl: str) -> torch.Tensor:
+    """A per-tile impl's noise on a shard: the shard's runs of the whole tensor's 2-D view, each
+    padded to the bands of tiles it touches (or, past :data:`_MOST_CALLS` runs, scattered into
+    the bands the whole shard spans), drawn by the kernel and cut out again."""
+    if tiling.first_dims_swapped(shape):
+        elementwise.per_tile_view(local_shape, shape, False, impl)  # raises: such a tensor cannot be split
+    _, _, _, columns, seed_tile = elementwise.per_tile_view(shape, shape, False, impl)
+    numel = math.prod(shape)
+    view = (numel // columns, columns)
+    band = columns * seed_tile[0] if numel > columns else seed_tile[1]
+    # The 2-D view's own noise is the whole tensor's: the same tiles over the same flat indices.
+    assert elementwise.per_tile_view(view, view, False, impl)[3:] == (columns, seed_tile), (shape, view)
+    split = max(d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole)
+    run = local_shape[split] * math.prod(shape[split + 1:])
+    outer = local_shape[:split]
+    starts = [_flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
+                            *[0] * (len(shape) - split - 1)], shape, False) for index in range(math.prod(outer))]
+
+    def drawn_over(padded: list, first: int) -> torch.Tensor:
+        # (the last band may reach into the view's padding, past the tensor's end)
+        rows = 1 if view[0] == 1 else padded[0].numel() // columns
+        return block_op(*(tensor.reshape(rows, -1) for tensor in padded), global_shape=view,
+                        global_offset=first).reshape(-1)
+
+    runs = [tensor.reshape(-1, run) for tensor in locals_]
+    if len(starts) <= _MOST_CALLS:
+        outputs = []
+        for index, start in enumerate(starts):
+            first, end = start // band * band, tiling.round_up(start + run, band)
+            padded = [torch.nn.functional.pad(tensor[index], (start - first, end - start - run)) for tensor in runs]
+            outputs.append(drawn_over(padded, first)[start - first:start - first + run])
+        return torch.stack(outputs).reshape(local_shape)
+    first, end = starts[0] // band * band, tiling.round_up(starts[-1] + run, band)
+    positions = ((torch.tensor(starts, device=runs[0].device) - first)[:, None]
+                 + torch.arange(run, device=runs[0].device)).reshape(-1)
+    scattered = [tensor.new_zeros(end - first).index_put_((positions,), tensor.reshape(-1)) for tensor in runs]
+    return drawn_over(scattered, first)[positions].reshape(local_shape)
+
+
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
+    position = []
+    for size in reversed(shape):
+        index, remainder = divmod(index, size)
+        position.append(remainder)
+    return position[::-1]
+
+
+def placements_match(x, other) -> bool:
+    """Whether DTensor ``other`` has ``x``'s mesh and placements, none of them ``Partial``: then
+    an elementwise kernel of both runs on their local shards."""
+    from torch.distributed.tensor import Partial
+
+    return (bridge.is_dtensor(other) and other.device_mesh == x.device_mesh and other.placements == x.placements
+            and not any(isinstance(placement, Partial) for placement in x.placements))
+
