@@ -6,7 +6,9 @@ computes itself. No case communicates, so a rank's failure cannot hang the other
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,10 +46,13 @@ def expected_block(whole, mesh, placements):
     return block_of(whole, mesh, placements)[0]
 
 
-def assert_block(got, whole, mesh, placements, what):
+def assert_block(got, whole, mesh, placements, what, exact=True):
     want = expected_block(whole, mesh, placements)
     assert tuple(got.placements) == tuple(placements), f"{what}: placements {got.placements} != {placements}"
     local = got.to_local()
+    if not exact:
+        torch.testing.assert_close(local, want, rtol=1e-5, atol=1e-5, msg=lambda message: f"{what}: {message}")
+        return
     assert torch.equal(local, want), f"{what}: the shard differs from the unsharded call's block " \
                                      f"({(local != want).sum()} of {want.numel()} elements)"
 
@@ -55,7 +60,8 @@ def assert_block(got, whole, mesh, placements, what):
 def run_case(case: dict, mesh) -> None:
     """One case: an op (``op``: name), a global shape, dtype, placements, impl."""
     import torch_pallas
-    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Partial, Replicate
+    from torch_pallas import bridge
 
     op, shape, placements, impl = case["op"], case["shape"], case["placements"], case.get("impl")
     dtype = case.get("dtype", torch.float32)
@@ -83,28 +89,48 @@ def run_case(case: dict, mesh) -> None:
     elif op == "dropout2d":
         def call(t):
             return torch_pallas.dropout2d(t, 0.3, seed=SEED, **options)
+    elif op in ("dropout_matmul", "dropout_linear"):
+        # The other operand, replicated (its gradient, all-reduced by torch, is not checked here).
+        other = distributed(torch.randn(case["other"], generator=generator).to(dtype), mesh,
+                            [Replicate()] * mesh.ndim)
+
+        def call(t):
+            if bridge.is_dtensor(t):
+                return getattr(torch_pallas, op)(t, other, p=0.3, seed=SEED, **options)
+            return getattr(torch_pallas, op)(t, other.full_tensor(), p=0.3, seed=SEED, **options)
     else:
         raise ValueError(op)
 
+    if "raises" in case:
+        try:
+            call(distributed(x, mesh, placements))
+        except ValueError as error:
+            assert case["raises"] in str(error), error
+            return
+        raise AssertionError(f"no ValueError ({case['raises']})")
     # Ranks draw alike: every one's generator is seeded alike before each call (what a user does).
     whole_x = x.clone().requires_grad_()
     whole_residual = residual.clone().requires_grad_()
     torch.manual_seed(SEED)
     whole = call(whole_x, whole_residual) if op == "dropout_add" else call(whole_x)
-    whole.backward(grad)
+    whole.backward(whole_grad(whole, grad))
     sharded_x = distributed(x, mesh, placements).requires_grad_()
-    residual_placements = case.get("residual_placements", placements)
-    sharded_residual = distributed(residual, mesh, residual_placements).requires_grad_()
+    sharded_residual = distributed(residual, mesh, placements).requires_grad_()
     torch.manual_seed(SEED)
     out = call(sharded_x, sharded_residual) if op == "dropout_add" else call(sharded_x)
-    if op == "dropout_add" and residual_placements != placements:
-        out = out.redistribute(mesh, placements)
-    out.backward(distributed(grad, mesh, out.placements))
-    assert_block(out, whole.detach(), mesh, placements, "output")
-    assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient")
-    if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in residual_placements):
+    out.backward(distributed(whole_grad(whole, grad), mesh, out.placements))
+    # The products, of the dropped x, sum in another order than the fused kernels' on a whole tensor.
+    exact = op not in ("dropout_matmul", "dropout_linear")
+    assert_block(out, whole.detach(), mesh, out.placements, "output", exact)
+    assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient", exact)
+    if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in placements):
         # (a Partial residual's gradient is torch's business: its add reduces it to a Replicate one)
-        assert_block(sharded_residual.grad, whole_residual.grad, mesh, residual_placements, "residual's gradient")
+        assert_block(sharded_residual.grad, whole_residual.grad, mesh, placements, "residual's gradient")
+
+
+def whole_grad(whole, grad):
+    """A gradient for the unsharded output ``whole``: ``grad`` where it has the input's shape."""
+    return grad if whole.shape == grad.shape else torch.randn(whole.shape, generator=torch.Generator().manual_seed(2))
 
 
 def run_parallel_module_case(case: dict, mesh) -> None:
@@ -155,15 +181,31 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
         meshes = {}
         outcome = {}
         for name, case in cases.items():
-            mesh_shape = case["mesh"]
-            if mesh_shape not in meshes:
-                meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)  # a collective: every rank, in order
+            mesh_shape, names = case["mesh"], case.get("mesh_dim_names")
+            if (mesh_shape, names) not in meshes:  # a collective: every rank, in order
+                meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+            runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
+                      "gpt": run_gpt_case}.get(case["op"], run_case)
             try:
-                (run_parallel_module_case if case["op"] in ("sequence_parallel", "colwise") else run_case)(
-                    case, meshes[mesh_shape])
+                runner(case, meshes[mesh_shape, names])
                 outcome[name] = None
             except Exception:  # noqa: BLE001  (reported to the test, which fails with it)
                 outcome[name] = traceback.format_exc(limit=-4)
         results.put((rank, outcome))
     finally:
         dist.destroy_process_group()
+
+
+
+def run_gpt_case(case: dict, mesh) -> None:
+    """examples/train_tensor_parallel.py's training, two steps: a converted GPT under TP + SP
+    over the mesh's "tp" dim and FSDP2 over its "dp" dim = the one-process model run on each
+    half of the batch from the same seed, losses and every parameter's gradient within float32
+    tolerance, so every dropout drew the one process's mask; with ``checkpointed`` blocks, their
+    recomputation too."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import train_tensor_parallel
+
+    for loss, single in train_tensor_parallel.train(mesh, steps=2, checkpointed=case["checkpointed"],
+                                                    check_gradients=True):
+        assert abs(loss - single) <= 1e-5 * abs(single), (loss, single)

@@ -340,8 +340,9 @@ def check_device(tensor: torch.Tensor, name: str, *, dtensors: bool = False) -> 
     ``TypeError`` for a DTensor where the op takes none (``dtensors`` false)."""
     if is_dtensor(tensor) and not dtensors:
         raise TypeError(
-            f"{name} is a DTensor, which this torch_pallas op does not take yet (dropout, its channel variants "
-            f"and dropout_add do, drawing each shard's part of the whole tensor's noise): pass {name}.full_tensor() "
+            f"{name} is a DTensor, which this torch_pallas op does not take yet (dropout, its channel variants, "
+            f"dropout_add, dropout_linear and dropout_matmul do, drawing each shard's part of the whole tensor's "
+            f"noise): pass {name}.full_tensor() "
             f"for the whole tensor, or {name}.to_local() with a seed of each rank's own for per-shard noise "
             f"(docs/sharding.md)")
     device = device_of(tensor)

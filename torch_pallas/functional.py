@@ -9,7 +9,7 @@ import torch
 
 from torch_pallas import _checks, bridge, dtensors, seeds, sharding
 from torch_pallas.kernels.indrnn import check_nonlinearity
-from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
+from torch_pallas.kernels import dropout_linear as dropout_linear_kernels, prng
 from torch_pallas.kernels.dropout_matmul import check_shapes as check_matmul_shapes
 from torch_pallas.sharding import Sharding
 from torch_pallas.ops import (dropout as dropout_ops, dropout_linear as dropout_linear_ops,
@@ -263,7 +263,8 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     One kernel runs for weights ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` with the
     same batch dims, of one dtype among float32, bfloat16 and float16, not split by SPMD
     sharding. Any other pair :func:`torch.matmul` takes is computed as ``dropout(weights, p)
-    @ value``, :func:`dropout`'s kernel and then the product.
+    @ value``, :func:`dropout`'s kernel and then the product; so is a DTensor pair
+    (:ref:`DTensors <dtensors>`), with ``impl="threefry"`` only.
 
     Args:
         weights (Tensor): what is dropped, as ``x`` for :func:`dropout`.
@@ -278,7 +279,8 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     Raises:
         TypeError: as :func:`dropout`, and a ``value`` that is not a tensor of ``weights``'
             dtype.
-        ValueError: as :func:`dropout`, and a ``value`` on another device than ``weights``.
+        ValueError: as :func:`dropout`, a ``value`` on another device than ``weights``, and
+            DTensors with the per-tile impls.
 
     Example::
 
@@ -292,6 +294,10 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     if value.device != weights.device:
         raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
     drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
+    if drawn is not None and bridge.is_dtensor(weights) and prng.per_tile(drawn.impl):
+        raise ValueError(f'dropout_matmul of a DTensor runs as dropout, then matmul, whose mask with impl="{drawn.impl}" '
+                         "is not the fused kernel's (that one is drawn per tile of each L x S plane): pass "
+                         'impl="threefry", whose masks are the same')
     return torch.matmul(weights, value) if drawn is None else drawn.multiplied_by(value)
 
 
@@ -314,7 +320,8 @@ def dropout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     own view of ``x`` (with the per-tile impls, ``"tiled"`` and ``"hardware"``: ``K`` a multiple
     of 128, at least 8 rows, and not a 3-D ``(B, L, C)`` whose ``L`` is not a multiple of 8 while
     ``B`` is). Any other pair :func:`torch.nn.functional.linear` takes is computed as
-    ``F.linear(dropout(x, p), weight, bias)``: the same values and mask.
+    ``F.linear(dropout(x, p), weight, bias)``: the same values and mask; so are DTensors
+    (:ref:`DTensors <dtensors>`).
 
     Args:
         x (Tensor): what is dropped, as for :func:`dropout`: ``(..., K)``.

@@ -43,11 +43,24 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             "dropout_add-partial": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Partial()]),
             "dropout2d-channels": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(1)]),
             "dropout2d-spatial": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(2)]),
+            # (torch's own matmul and linear of DTensors split along a dim they flatten raise; Shard(0))
+            "dropout_linear-batch": dict(op="dropout_linear", impl="tiled", shape=BANDS, other=(32, 128),
+                                         placements=[Shard(0)]),
+            "dropout_matmul-batch-threefry": dict(op="dropout_matmul", impl="threefry", shape=(4, 2, 16, 16),
+                                                  other=(4, 2, 16, 8), placements=[Shard(0)]),
+            "dropout_matmul-batch-tiled-refused": dict(op="dropout_matmul", impl="tiled", shape=(4, 2, 16, 16),
+                                                       other=(4, 2, 16, 8), placements=[Shard(0)],
+                                                       raises='pass impl="threefry"'),
             "sequence-parallel-converted-block": dict(op="sequence_parallel", shape=BANDS),
             "colwise-parallel-converted-block": dict(op="colwise", shape=BANDS),
         }
         for name, case in more.items():
             CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
+
+
+for checkpointed in (False, True):
+    CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
+        op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)
 
 
 @pytest.fixture(scope="module")
