@@ -100,6 +100,8 @@ def run_case(case: dict, mesh) -> None:
             return getattr(torch_pallas, op)(t, other.full_tensor(), p=0.3, seed=SEED, **options)
     else:
         raise ValueError(op)
+    if case.get("compiled"):
+        call = torch.compile(call, fullgraph=True)
 
     if "raises" in case:
         try:

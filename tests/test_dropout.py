@@ -2,6 +2,8 @@
 seeds, shapes and dtypes, checkpointing, statistics, bad input."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import jax
@@ -408,6 +410,18 @@ def test_cpu_tensor_gets_the_xla_result_and_the_cpu_rng_with_autograd():
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         x = positive(SHAPE, dtype)
         assert torch.equal(torch_pallas.dropout(x.cpu(), 0.3, seed=1), torch_pallas.dropout(x, 0.3, seed=1).cpu())
+
+
+def test_a_first_call_on_a_cpu_tensor_compiles_fullgraph():
+    """A process whose first torch_pallas call on a CPU tensor is inside torch.compile(fullgraph=True)
+    (run apart: this one has called already): the CPU front end is loaded at import, since dynamo
+    cannot trace its import."""
+    script = ("import torch, torch_pallas\n"
+              "x = torch.randn(8, 128)\n"
+              "y = torch.compile(lambda t: torch_pallas.dropout(t, 0.3, seed=1), fullgraph=True)(x)\n"
+              "print(torch.equal(y, torch_pallas.dropout(x, 0.3, seed=1)))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("True"), result.stdout + result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

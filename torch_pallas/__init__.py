@@ -36,6 +36,10 @@ if _torch_missing is None:
     from torch_pallas.nn import convert_dropout
     from torch_pallas.routing import route_dropout
     from torch_pallas.transformers_attention import register_attention  # imports transformers only when called
+
+    # Now, not at the first call: dynamo cannot trace the import of a front end, so a first call on
+    # a CPU tensor (or a DTensor of them) inside torch.compile(fullgraph=True) would fail.
+    bridge.front_end("cpu")
 else:
     def __getattr__(name):
         if name in __all__:

@@ -38,6 +38,10 @@ from torch_pallas import bridge
 from torch_pallas.kernels import elementwise, prng, tiling
 from torch_pallas.sharding import check_noise_block
 
+# At module level, not in the functions: dynamo cannot trace an import (fullgraph=True).
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
 __all__ = ["check_placements", "map_channels", "map_noise_blocks", "placements_match", "shardwise"]
 
 
@@ -45,8 +49,6 @@ def check_placements(x, name: str = "x") -> None:
     """Raises ValueError for a DTensor placement the noise ops cannot follow: anything but
     ``Shard``, ``Replicate`` and ``Partial`` (``_StridedShard``, the interleaved shards FSDP2
     gives tensor-parallel parameters, is not a block of the whole tensor)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
     for placement in x.placements:
         if type(placement) not in (Shard, Replicate, Partial):
             raise ValueError(f"{name} is a DTensor placed {placement} on its mesh; torch_pallas's noise ops take "
@@ -59,8 +61,6 @@ def _local_block(x) -> tuple[tuple[int, ...], tuple[int, ...]]:
     placement, in mesh-dim order, splits what the earlier ones left as ``torch.chunk`` does
     (chunks of ``ceil(size / ranks)``, the last ones shorter or empty), as DTensor places shards.
     Plain arithmetic on the mesh coordinate, so it also runs on fake tensors."""
-    from torch.distributed.tensor import Shard
-
     shape, offset = list(x.shape), [0] * x.dim()
     for mesh_dim, (placement, index) in enumerate(zip(x.placements, x.device_mesh.get_coordinate())):
         if isinstance(placement, Shard):
@@ -107,8 +107,6 @@ class _Shardwise(torch.autograd.Function):
 
 def _like(local: torch.Tensor, x):
     """The DTensor of shard ``local`` placed as ``x``, with ``x``'s global shape and stride."""
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
@@ -212,8 +210,6 @@ def _unravel(index: int, shape: Sequence[int]) -> list[int]:
 def placements_match(x, other) -> bool:
     """Whether DTensor ``other`` has ``x``'s mesh and placements, none of them ``Partial``: then
     an elementwise kernel of both runs on their local shards."""
-    from torch.distributed.tensor import Partial
-
     return (bridge.is_dtensor(other) and other.device_mesh == x.device_mesh and other.placements == x.placements
             and not any(isinstance(placement, Partial) for placement in x.placements))
 

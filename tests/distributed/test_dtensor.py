@@ -54,6 +54,9 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             "sequence-parallel-converted-block": dict(op="sequence_parallel", shape=BANDS),
             "colwise-parallel-converted-block": dict(op="colwise", shape=BANDS),
         }
+        if world == 2:  # (dynamo's compile takes a rank 15 s: once)
+            more["compiled-fullgraph"] = dict(op="dropout", impl="tiled", shape=ONE_ROW, placements=[Shard(1)],
+                                              key="seed", compiled=True)
         for name, case in more.items():
             CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
 
