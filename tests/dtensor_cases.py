@@ -70,6 +70,12 @@ def run_case(case: dict, mesh) -> None:
     grad = torch.randn(shape, generator=generator).to(dtype)
     residual = torch.randn(shape, generator=generator).to(dtype)
     options = dict(impl=impl) if op != "routed" else {}
+    if op in ("uniform", "normal", "bernoulli"):
+        sample = getattr(torch_pallas.random, op)
+        whole = sample(shape, seed=SEED, impl=impl, device="cpu")
+        assert_block(sample(shape, seed=SEED, impl=impl, device_mesh=mesh, placements=placements), whole, mesh,
+                     placements, "sample")
+        return
     if op in ("dropout", "routed", "converted"):
         key = dict(seed=SEED) if case.get("key") == "seed" else {}
 

@@ -40,9 +40,11 @@ from torch_pallas.sharding import check_noise_block
 
 # At module level, not in the functions: dynamo cannot trace an import (fullgraph=True).
 if torch.distributed.is_available():
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["check_placements", "map_channels", "map_noise_blocks", "placements_match", "shardwise"]
+__all__ = ["check_layout", "check_placements", "local_block", "map_channels", "map_noise_blocks", "placements_match", "sample_on_mesh",
+           "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -57,15 +59,21 @@ def check_placements(x, name: str = "x") -> None:
 
 
 def _local_block(x) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The local shard's shape and its offset along each dim of the whole tensor: each ``Shard``
-    placement, in mesh-dim order, splits what the earlier ones left as ``torch.chunk`` does
-    (chunks of ``ceil(size / ranks)``, the last ones shorter or empty), as DTensor places shards.
-    Plain arithmetic on the mesh coordinate, so it also runs on fake tensors."""
-    shape, offset = list(x.shape), [0] * x.dim()
-    for mesh_dim, (placement, index) in enumerate(zip(x.placements, x.device_mesh.get_coordinate())):
+    """DTensor ``x``'s :func:`local_block`."""
+    return local_block(tuple(x.shape), x.device_mesh, x.placements)
+
+
+def local_block(global_shape: Sequence[int], mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard's shape and its offset along each dim of a tensor of ``global_shape``
+    placed on ``mesh`` as ``placements``: each ``Shard`` placement, in mesh-dim order, splits
+    what the earlier ones left as ``torch.chunk`` does (chunks of ``ceil(size / ranks)``, the
+    last ones shorter or empty), as DTensor places shards. Plain arithmetic on the mesh
+    coordinate, so it also runs on fake tensors."""
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for mesh_dim, (placement, index) in enumerate(zip(placements, mesh.get_coordinate())):
         if isinstance(placement, Shard):
-            dim = placement.dim % x.dim()
-            chunk = -(-shape[dim] // x.device_mesh.size(mesh_dim))
+            dim = placement.dim % len(shape)
+            chunk = -(-shape[dim] // mesh.size(mesh_dim))
             start = min(index * chunk, shape[dim])
             offset[dim] += start
             shape[dim] = min(chunk, shape[dim] - start)
@@ -133,8 +141,8 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
     shape = tuple(x.shape)
     local_shape, offset = _local_block(x)
     locals_ = [x.to_local(), *(other.to_local() for other in others)]
-    if math.prod(local_shape) == 0:
-        output = locals_[0] * 0  # an empty shard (more ranks than rows): nothing to draw
+    if math.prod(local_shape) == 0:  # an empty shard (more ranks than rows): nothing to draw
+        output = block_op(*locals_, global_shape=shape, global_offset=0)
     elif not prng.per_tile(impl) or shared_over_first_dim or local_shape == shape:
         check_noise_block(local_shape, shape, impl, shared_over_first_dim)
         output = block_op(*locals_, global_shape=shape,
@@ -142,6 +150,42 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
     else:
         output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl)
     return _like(output, x)
+
+
+def check_layout(mesh, placements) -> tuple:
+    """``placements`` as a tuple, checked to be a sample's layout on ``mesh``.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: ``placements`` that are not one ``Shard`` or ``Replicate`` per mesh dim.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim or any(type(placement) not in (Shard, Replicate) for placement in placements):
+        raise ValueError(f"placements must be one Shard or Replicate per dim of the {mesh.ndim}-D mesh, got "
+                         f"{list(placements)}")
+    return placements
+
+
+def sample_on_mesh(shape: Sequence[int], mesh, placements, sample_block: Callable, *, impl: str):
+    """A DTensor of ``shape`` placed on ``mesh`` as ``placements`` (``Shard`` and ``Replicate``),
+    each rank holding its block of the whole tensor's numbers: ``sample_block(block_shape,
+    global_shape=..., global_offset=...)`` draws a block's (see the module's docstring).
+
+    Raises:
+        TypeError: as :func:`check_layout`.
+        ValueError: as :func:`check_layout`, and a shard the kernel cannot draw, naming
+            ``impl="threefry"``.
+    """
+    placements = check_layout(mesh, placements)
+    local_shape, _ = local_block(shape, mesh, placements)
+    # A stand-in of the shard's shape, for map_noise_blocks to cut into the blocks it draws.
+    stand_in = torch.zeros(local_shape, dtype=torch.uint8, device=mesh.device_type)
+    strides = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    like = DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=torch.Size(shape), stride=strides)
+    return map_noise_blocks(like, (), lambda block, **where: sample_block(tuple(block.shape), **where), impl=impl,
+                            name="the sample")
 
 
 def map_channels(x, scale: torch.Tensor):

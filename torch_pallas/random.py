@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import _checks, bridge, seeds, sharding
+from torch_pallas import _checks, bridge, dtensors, seeds, sharding
 from torch_pallas.kernels import arguments
 from torch_pallas.ops import sampling as sampling_ops
 
@@ -70,9 +70,19 @@ def set_default_impl(impl: str | None) -> None:
     bridge.choose_noise_impl(impl)
 
 
-def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec):
+def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mesh, partition_spec, device_mesh,
+            placements):
     shape = _checks.check_shape(shape)
     p, impl = _checks.noise_arguments(p, impl, seed, generator, kind=_checks.SAMPLING)
+    if device_mesh is not None or placements is not None:
+        if device_mesh is None or placements is None or mesh is not None or partition_spec is not None:
+            raise ValueError("device_mesh and placements go together (a DTensor's layout), and not with mesh and "
+                             "partition_spec (SPMD's)")
+        dtensors.check_layout(device_mesh, placements)
+        device = bridge.device_or_default(device if device is not None else torch.device(device_mesh.device_type))
+        key_data = seeds.draw(seed, generator, device)
+        return dtensors.sample_on_mesh(shape, device_mesh, placements, lambda block_shape, **where: sampling_ops.sample(
+            key_data, block_shape, distribution=distribution, dtype=dtype, p=p, impl=impl, **where), impl=impl)
     device = bridge.device_or_default(device)
     output_sharding = sharding.resolve(None, mesh, partition_spec)
     sharding_text = None if output_sharding is None else output_sharding.check(shape, "shape", impl)
@@ -81,7 +91,7 @@ def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mes
 
 
 def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,
-            partition_spec=None) -> torch.Tensor:
+            partition_spec=None, device_mesh=None, placements=None) -> torch.Tensor:
     r"""Returns a tensor of ``shape`` filled with numbers drawn uniformly from :math:`[0, 1)`.
 
     Args:
@@ -96,6 +106,11 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             ``xs.mark_sharding(t, mesh, partition_spec)`` would shard it, each device drawing
             only its own shard: the numbers are those of the unsharded tensor. Give both or
             neither.
+        device_mesh, placements: a ``torch.distributed`` ``DeviceMesh`` and one ``Shard`` or
+            ``Replicate`` per mesh dim, as torch's DTensor factories take them
+            (``torch.distributed.tensor.rand``): return a DTensor, each rank drawing only its
+            shard of the unsharded tensor's numbers (:ref:`DTensors <dtensors>`); ``device``
+            defaults to the mesh's. Ranks draw alike from a ``seed`` or seeded generators.
 
     Returns:
         Tensor: on ``device``, of ``shape`` and ``dtype``.
@@ -109,7 +124,9 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
             take (uneven shards, more than two split dims besides the first, with
             ``impl="hardware"`` or ``"tiled"`` shards that are not whole bands of tiles:
-            :ref:`sharded tensors <sharding-limits>`).
+            :ref:`sharded tensors <sharding-limits>`); ``device_mesh`` without ``placements`` (or
+            the reverse, or with ``mesh``), placements other than one ``Shard`` or ``Replicate``
+            per mesh dim.
 
     Example::
 
@@ -119,22 +136,22 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
     """
     _checks.check_float_dtype(dtype)
     return _sample("uniform", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl,
-                   mesh=mesh, partition_spec=partition_spec)
+                   mesh=mesh, partition_spec=partition_spec, device_mesh=device_mesh, placements=placements)
 
 
 def normal(shape, *, seed=None, generator=None, device=None, dtype=torch.float32, impl=None, mesh=None,
-           partition_spec=None) -> torch.Tensor:
+           partition_spec=None, device_mesh=None, placements=None) -> torch.Tensor:
     r"""Returns a tensor of ``shape`` filled with standard normal numbers (mean 0, variance 1).
 
     Arguments, result and errors are those of :func:`uniform`.
     """
     _checks.check_float_dtype(dtype)
     return _sample("normal", shape, p=0.5, seed=seed, generator=generator, device=device, dtype=dtype, impl=impl,
-                   mesh=mesh, partition_spec=partition_spec)
+                   mesh=mesh, partition_spec=partition_spec, device_mesh=device_mesh, placements=placements)
 
 
 def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None, mesh=None,
-              partition_spec=None) -> torch.Tensor:
+              partition_spec=None, device_mesh=None, placements=None) -> torch.Tensor:
     r"""Returns a ``torch.bool`` tensor of ``shape`` whose elements are True with probability ``p``.
 
     An element is True when its float32 uniform number is below ``float32(p)``, as in
@@ -144,11 +161,12 @@ def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None
     Args:
         shape (int or sequence of ints): the output's shape.
         p (float): the probability of True, in :math:`[0, 1]`.
-        seed, generator, device, impl, mesh, partition_spec: as in :func:`uniform`.
+        seed, generator, device, impl, mesh, partition_spec, device_mesh, placements: as in
+            :func:`uniform`.
 
     Raises:
         ValueError: ``p`` outside :math:`[0, 1]` or NaN, and the errors of :func:`uniform`.
         TypeError: ``p`` not a real number, and the errors of :func:`uniform`.
     """
     return _sample("bernoulli", shape, p=p, seed=seed, generator=generator, device=device,
-                   dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec)
+                   dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec, device_mesh=device_mesh, placements=placements)

@@ -151,6 +151,16 @@ def offset_words(flat_offset: int) -> list[int]:
     return np.array([flat_offset >> 32, flat_offset & 0xFFFFFFFF], dtype=np.uint32).view(np.int32).tolist()
 
 
+def call_on_block(kernel, key_data: torch.Tensor, *arrays: torch.Tensor, global_shape: Sequence[int],
+                  global_offset: int, **static):
+    """Noise ``kernel`` on ``arrays``, a block of a tensor of ``global_shape`` whose first element
+    is at flat index ``global_offset`` there (a DTensor's local shard, or a part of one): it
+    draws that block's part of the whole tensor's noise, on key_data's device."""
+    words = torch.tensor(offset_words(global_offset), dtype=torch.int32, device=key_data.device)
+    return bridge.call(with_shard_offset, key_data, words, *arrays, kernel=kernel, global_shape=tuple(global_shape),
+                       **static)
+
+
 def with_shard_offset(key_data, shard_offset, *arrays, kernel, **static):
     """``kernel`` on one shard, as a front end runs it per device: the offsets (the front end
     splits :meth:`Sharding.shard_offset_words` over the mesh) arrive as each device's own

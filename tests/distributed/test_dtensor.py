@@ -29,6 +29,13 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
                 name = f"dropout-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
                 CASES[world][name] = dict(op="dropout", impl=impl, shape=shape, placements=placements, mesh=mesh,
                                           key="seed")
+    sample_placements = [placements for placements in placement_sets if not any(
+        isinstance(placement, Partial) for placement in placements)]
+    samples = (("uniform", "tiled", ONE_ROW), ("normal", "threefry", BANDS)) if world == 2 or not one_dim else ()
+    for op, impl, shape in samples + ((("bernoulli", "tiled", BANDS),) if world == 2 else ()):
+        for placements in sample_placements if op != "bernoulli" else [[Shard(1)]]:
+            name = f"{op}-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
+            CASES[world][name] = dict(op=op, impl=impl, shape=shape, placements=placements, mesh=mesh)
     if one_dim:
         more = {
             "matrix-rows-bfloat16": dict(op="dropout", impl="tiled", shape=MATRIX, placements=[Shard(0)],

@@ -49,17 +49,11 @@ def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: st
         return bridge.call_sharded(dropout_kernels.dropout, sharding_text, [key_data, x], [(None,), dims], [dims],
                                    noise_shape=x.shape, **options)
     if global_shape is not None:
-        return _in_layout_of(x, _call_on_block(dropout_kernels.dropout, key_data, x, global_shape=global_shape,
-                                               global_offset=global_offset, **options))
+        return _in_layout_of(x, sharding.call_on_block(dropout_kernels.dropout, key_data, x,
+                                                       global_shape=global_shape, global_offset=global_offset,
+                                                       **options))
     return _in_layout_of(x, bridge.call(dropout_kernels.dropout, key_data, x, **options))
 
-
-def _call_on_block(kernel, key_data, *arrays, global_shape, global_offset, **static):
-    """``kernel`` on ``arrays``, a block of a tensor of ``global_shape`` starting at flat index
-    ``global_offset``: the noise of that block of the whole tensor."""
-    offset_words = torch.tensor(sharding.offset_words(global_offset), dtype=torch.int32, device=key_data.device)
-    return bridge.call(sharding.with_shard_offset, key_data, offset_words, *arrays, kernel=kernel,
-                       global_shape=tuple(global_shape), **static)
 
 
 def _in_layout_of(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -163,8 +157,8 @@ def _compute_dropout_add(x: torch.Tensor, residual: torch.Tensor, key_data: torc
         return bridge.call_sharded(dropout_kernels.dropout_add, sharding_text, [key_data, x, residual],
                                    [(None,), dims, dims], [dims], noise_shape=x.shape, p=p, impl=impl)
     if global_shape is not None:
-        return _call_on_block(dropout_kernels.dropout_add, key_data, x, residual, global_shape=global_shape,
-                              global_offset=global_offset, p=p, impl=impl)
+        return sharding.call_on_block(dropout_kernels.dropout_add, key_data, x, residual, global_shape=global_shape,
+                                      global_offset=global_offset, p=p, impl=impl)
     return bridge.call(dropout_kernels.dropout_add, key_data, x, residual, p=p, impl=impl)
 
 
