@@ -193,7 +193,7 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
             if (mesh_shape, names) not in meshes:  # a collective: every rank, in order
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
-                      "gpt": run_gpt_case}.get(case["op"], run_case)
+                      "gpt": run_gpt_case, "attention": run_attention_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
                 outcome[name] = None
@@ -217,3 +217,25 @@ def run_gpt_case(case: dict, mesh) -> None:
     for loss, single in train_tensor_parallel.train(mesh, steps=2, checkpointed=case["checkpointed"],
                                                     check_gradients=True):
         assert abs(loss - single) <= 1e-5 * abs(single), (loss, single)
+
+
+def run_attention_case(case: dict, mesh) -> None:
+    """torch_pallas's attention with dropout (causal) of DTensors split over batch dims: each
+    rank's output and query, key and value gradients = the block of the unsharded call (float32
+    tolerance: the same kernels on fewer planes)."""
+    import torch_pallas
+
+    placements = case["placements"]
+    generator = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=generator) for shape in (case["shape"], case["kv_shape"], case["kv_shape"])]
+    grad = torch.randn(case["shape"], generator=generator)
+    options = dict(dropout_p=0.3, is_causal=True, seed=SEED, impl=case["impl"], enable_gqa=case["shape"] != case["kv_shape"])
+    whole_operands = [operand.clone().requires_grad_() for operand in operands]
+    whole = torch_pallas.scaled_dot_product_attention(*whole_operands, **options)
+    whole.backward(grad)
+    sharded_operands = [distributed(operand, mesh, placements).requires_grad_() for operand in operands]
+    out = torch_pallas.scaled_dot_product_attention(*sharded_operands, **options)
+    out.backward(distributed(grad, mesh, placements))
+    assert_block(out, whole.detach(), mesh, placements, "output", exact=False)
+    for name, got, want in zip(("query", "key", "value"), sharded_operands, whole_operands):
+        assert_block(got.grad, want.grad, mesh, placements, f"{name}'s gradient", exact=False)

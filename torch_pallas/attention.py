@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from torch_pallas import _checks, bridge, seeds, sharding
+from torch_pallas import _checks, bridge, dtensors, seeds, sharding
 from torch_pallas.ops import attention as attention_ops
 
 __all__ = ["scaled_dot_product_attention"]
@@ -82,8 +82,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         >>> out = torch_pallas.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
         >>> out.sum().backward()   # the mask regenerated from its key
     """
+    distributed = any(bridge.is_dtensor(tensor) for tensor in (query, key, value, attn_mask))
     for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _checks.check_float_tensor(tensor, name)
+        _checks.check_float_tensor(tensor, name, dtensors=True)
+    if distributed:
+        check_dtensor_operands(query, key, value, attn_mask)
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}")
     if key.device != query.device or value.device != query.device:
@@ -113,6 +116,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if math.prod(out_shape) == 0 or key.shape[-2] == 0:
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)
+    if distributed:
+        return _on_local_shards(query, key, value, key_data, out_shape, dropout_p=dropout_p, impl=impl,
+                                is_causal=bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa))
     query_sharding = sharding.resolve(query)
     if query_sharding is not None:
         attention_ops.shard_dims(query_sharding, query, key, value, attn_mask,
@@ -120,3 +126,41 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     return attention_ops.apply(query, key, value, attn_mask, key_data, dropout_p=dropout_p, impl=impl,
                               is_causal=bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
                               sharding_text=None if query_sharding is None else query_sharding.text)
+
+
+def check_dtensor_operands(query, key, value, attn_mask) -> None:
+    """Attention of DTensors: query, key and value placed alike, split over batch dims only.
+
+    Raises:
+        TypeError: some of them DTensors and some not, or an ``attn_mask`` (not taken yet).
+        ValueError: placements that differ, or split a length or head dim, or are Partial.
+    """
+    if not all(bridge.is_dtensor(tensor) for tensor in (query, key, value)) or attn_mask is not None:
+        raise TypeError("attention of DTensors takes a query, key and value that are all DTensors, and no attn_mask "
+                        "yet (is_causal=True for a causal mask); otherwise call it on their full_tensor()")
+    dtensors.check_placements(query, "query")
+    if any(tensor.device_mesh != query.device_mesh or tensor.placements != query.placements for tensor in (key, value)):
+        raise ValueError(f"query, key and value must be placed alike on one mesh, got {query.placements}, "
+                         f"{key.placements} and {value.placements}")
+    batch = query.dim() - 2
+    for placement in query.placements:
+        if isinstance(placement, dtensors.Partial) or (isinstance(placement, dtensors.Shard)
+                                                        and placement.dim % query.dim() >= batch):
+            raise ValueError(f"attention of DTensors splits their batch dims only (batch, heads), got {placement} "
+                             f"for query of shape {tuple(query.shape)}: redistribute the others")
+
+
+def _on_local_shards(query, key, value, key_data, out_shape, **options):
+    """Each rank's attention on its shards of the batch dims, drawing their planes' part of the
+    unsharded dropout mask."""
+    batch = query.shape[:-2]
+    local_shape, offset = dtensors.local_block(tuple(query.shape), query.device_mesh, query.placements)
+    first_plane = sum(index * math.prod(batch[d + 1:]) for d, index in enumerate(offset[:-2]))
+
+    def local_attention(query, key, value):
+        if math.prod(local_shape) == 0:
+            return query.new_zeros((*query.shape[:-1], value.shape[-1]))
+        return attention_ops.apply(query, key, value, None, key_data, global_batch=tuple(batch),
+                                   global_offset=first_plane, **options)
+
+    return dtensors.on_local_shards(local_attention, query, out_shape, query, key, value)

@@ -43,8 +43,8 @@ if torch.distributed.is_available():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["check_layout", "check_placements", "local_block", "map_channels", "map_noise_blocks", "placements_match", "sample_on_mesh",
-           "shardwise"]
+__all__ = ["check_layout", "check_placements", "local_block", "map_channels", "map_noise_blocks", "on_local_shards",
+           "placements_match", "sample_on_mesh", "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -116,6 +116,53 @@ class _Shardwise(torch.autograd.Function):
 def _like(local: torch.Tensor, x):
     """The DTensor of shard ``local`` placed as ``x``, with ``x``'s global shape and stride."""
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+class _OnLocalShards(torch.autograd.Function):
+    """``function`` of DTensors' local shards, differentiated locally: each input's gradient is
+    the local one, placed as the input (summed over the ranks, for an input replicated where
+    ``like`` is sharded). Autograd does not go through ``to_local`` and ``from_local`` (see
+    :class:`_Shardwise`)."""
+
+    @staticmethod
+    def forward(ctx, function, like, shape, *inputs):
+        ctx.inputs = inputs
+        ctx.locals = [tensor.to_local().detach().requires_grad_(tensor.requires_grad) for tensor in inputs]
+        with torch.enable_grad():
+            ctx.output = function(*ctx.locals)
+        ctx.like = like
+        strides = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        return DTensor.from_local(ctx.output.detach(), like.device_mesh, like.placements, run_check=False,
+                                  shape=torch.Size(shape), stride=strides)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        like = ctx.like
+        if grad.placements != like.placements:
+            grad = grad.redistribute(like.device_mesh, like.placements)
+        wanted = [index for index, local in enumerate(ctx.locals) if local.requires_grad]
+        local_grads = torch.autograd.grad(ctx.output, [ctx.locals[index] for index in wanted], grad.to_local(),
+                                          allow_unused=True)
+        grads = [None] * len(ctx.inputs)
+        for index, local_grad in zip(wanted, local_grads):
+            tensor = ctx.inputs[index]
+            if local_grad is None:
+                continue
+            # A replicated input read by sharded work: each rank's gradient is its part of the sum.
+            summed = tuple(Partial() if isinstance(own, Replicate) and isinstance(other, Shard) else own
+                           for own, other in zip(tensor.placements, like.placements))
+            grads[index] = DTensor.from_local(local_grad, tensor.device_mesh, summed, run_check=False,
+                                              shape=tensor.shape, stride=tensor.stride())
+            if summed != tuple(tensor.placements):
+                grads[index] = grads[index].redistribute(tensor.device_mesh, tensor.placements)
+        return None, None, None, *grads
+
+
+def on_local_shards(function: Callable, like, shape: Sequence[int], *inputs):
+    """``function(*local shards of inputs)``, a local tensor placed as DTensor ``like``, with the
+    global ``shape``, differentiable: each rank differentiates its local computation."""
+    return _OnLocalShards.apply(function, like, tuple(shape), *inputs)
 
 
 def shardwise(x, residual, forward: Callable, adjoint: Callable):

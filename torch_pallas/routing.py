@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_pallas import _checks, bridge
 from torch_pallas import functional, residual_fusion
-from torch_pallas.attention import scaled_dot_product_attention
+from torch_pallas.attention import check_dtensor_operands, scaled_dot_product_attention
 from torch_pallas.kernels import arguments
 
 __all__ = ["route_dropout"]
@@ -198,8 +198,11 @@ def _attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale
     if not all(isinstance(t, torch.Tensor) for t in tensors) or query.device.type == "cpu" or not bridge.runs_on(
             query.device):
         return "its tensors are not on an accelerator device (XLA, torchax, TorchTPU)"
-    if any(bridge.is_dtensor(t) for t in tensors):
-        return "torch_pallas ops do not take DTensors"
+    if any(bridge.is_dtensor(t) for t in (*tensors, attn_mask)):
+        try:
+            check_dtensor_operands(query, key, value, attn_mask)
+        except (TypeError, ValueError) as error:
+            return str(error)
     if query.dtype not in _checks.FLOAT_DTYPES:
         return f"torch_pallas's attention takes float32, bfloat16 and float16, not {query.dtype}"
     if any(t.dtype != query.dtype or t.device != query.device for t in tensors[1:]):

@@ -23,7 +23,8 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
     one_dim = len(mesh) == 1
     placement_sets = ([[Shard(0)], [Shard(1)], [Shard(2)], [Replicate()], [Partial()]] if one_dim else
                       [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Replicate(), Shard(2)], [Shard(1), Partial()]])
-    for impl in ("tiled", "threefry"):
+    # (4 ranks on one dim add uneven and empty shards, where the per-tile impls pad and scatter)
+    for impl in ("tiled", "threefry") if world == 2 or not one_dim else ("tiled",):
         for shape in (ONE_ROW, BANDS):
             for placements in placement_sets:
                 name = f"dropout-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
@@ -68,6 +69,13 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
 
 
+HEADS, GQA_HEADS = (4, 4, 32, 16), (4, 2, 32, 16)
+for world, mesh, placements, kv_shape, impl in (
+        (2, (2,), [Shard(0)], HEADS, "tiled"), (2, (2,), [Shard(1)], GQA_HEADS, "threefry"),
+        (4, (4,), [Shard(1)], HEADS, "tiled"), (4, (2, 2), [Shard(0), Shard(1)], HEADS, "tiled")):
+    name = f"attention-{impl}-{'gqa-' if kv_shape != HEADS else ''}{''.join(map(str, placements))}-mesh{mesh}"
+    CASES[world][name] = dict(op="attention", shape=HEADS, kv_shape=kv_shape, placements=placements, mesh=mesh,
+                              impl=impl)
 for checkpointed in (False, True):
     CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
         op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)

@@ -86,23 +86,25 @@ def two_rank_mesh():
 def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
     """docs/sharding.md, DTensors: on fake tpu tensors and a fake two-rank group, dropout of a
     DTensor (called, routed, in a converted module) dispatches torch_pallas's kernel on the rank's
-    shard with the whole tensor's shape and keeps the placement; ops that take no DTensor yet
-    say so, and SDPA of DTensors stays torch's."""
+    shard with the whole tensor's shape and keeps the placement; so does routed SDPA split over
+    heads; SDPA split along the sequence stays torch's, and IndRNN names the fix."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     tpu_mesh = two_rank_mesh("tpu")  # outside fake mode: the mesh reads its own ranks
     with FakeTensorMode():
         x = distribute_tensor(torch.randn(8, 128, device="tpu"), tpu_mesh, [Shard(0)])
+        heads = distribute_tensor(torch.randn(2, 4, 128, 64, device="tpu"), tpu_mesh, [Shard(1)])
         with DispatchedOps(record_args=True) as dispatched:
             outputs = [torch_pallas.dropout(x, 0.5, seed=1, impl="threefry"),
                        torch_pallas.convert_dropout(torch.nn.Dropout(0.5))(x)]
             with torch_pallas.route_dropout():
                 outputs.append(torch.nn.functional.dropout(x, 0.5))
+                attended = torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, dropout_p=0.5)
                 with pytest.warns(UserWarning, match="dropout_p is applied by torch"):
-                    attended = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None],
-                                                                                  dropout_p=0.5)
-        with pytest.raises(TypeError, match=r"query is a DTensor.*does not take yet.*query\.full_tensor\(\)"):
-            torch_pallas.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], dropout_p=0.5)
+                    along_sequence = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None],
+                                                                                        dropout_p=0.5)
+        with pytest.raises(TypeError, match=r"x is a DTensor.*does not take yet.*x\.full_tensor\(\)"):
+            torch_pallas.indrnn(x[None], torch.ones(128, device="tpu"))
     kernels = [args for name, args in dispatched.calls if name == "torch_pallas::dropout"]
     # threefry draws the shard's rows; the default, tiled, draws the one band of (8, 128) tiles the
     # shard is half of (padded), then keeps the shard's rows.
@@ -110,4 +112,7 @@ def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
     assert all(args[0].device.type == "tpu" and list(args[8]) == [8, 128] for args in kernels)  # global_shape
     for output in outputs:
         assert type(output).__name__ == "DTensor" and output.placements == (Shard(0),) and output.shape == (8, 128)
-    assert type(attended).__name__ == "DTensor" and "torch_pallas::flash_attention" not in dispatched.names
+    flash = [args for name, args in dispatched.calls if name == "torch_pallas::attention"]
+    assert len(flash) == 1 and tuple(flash[0][0].shape) == (2, 2, 128, 64) and list(flash[0][14]) == [2, 4]
+    assert attended.placements == (Shard(1),) and attended.shape == (2, 4, 128, 64)
+    assert type(along_sequence).__name__ == "DTensor"

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import attention as attention_kernels
 from torch_pallas.sharding import Sharding
@@ -75,12 +75,19 @@ def bfloat16_operands(query: torch.Tensor) -> bool:
     return query.dtype == torch.float32 and bridge.compiles_for_tpu(query)
 
 
-def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, output_ranks, **static):
+def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, output_ranks, global_batch=None,
+          global_offset=0, **static):
     """``kernel(key_data, query, key, value, *extra, attn_mask, **static)`` on the whole tensors,
     or with ``sharding_text`` per shard of query's sharding, each shard with the noise of its
     batch dims' place: every tensor but the key data and the mask follows query's batch dims,
-    and so do the outputs (of ``output_ranks`` dims), then the mask's gradient (``bias_grad``)."""
+    and so do the outputs (of ``output_ranks`` dims), then the mask's gradient (``bias_grad``).
+    With ``global_batch``, the tensors are a block of the batch dims ``global_batch`` whose first
+    plane is at flat index ``global_offset`` there (a DTensor's local shard), with that block's
+    noise."""
     tensors = [key_data, query, key, value, *extra, *_mask_operand(attn_mask)]
+    if global_batch is not None:
+        return sharding.call_on_block(kernel, *tensors, global_shape=(*global_batch, 1, 1),
+                                      global_offset=global_offset, **static)
     if sharding_text is None:
         return bridge.call(kernel, *tensors, **static)
     batch_dims, mask_dims = shard_dims(Sharding.parse(sharding_text), query, key, value, attn_mask)
@@ -98,7 +105,8 @@ def _call(kernel, sharding_text, key_data, query, key, value, extra, attn_mask, 
 def _compute_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
                blocks: Optional[Sequence[int]], backward_blocks: Optional[Sequence[int]],
-                       rounded: bool = False, sharding_text: Optional[str] = None
+                       rounded: bool = False, sharding_text: Optional[str] = None,
+                       global_batch: Optional[Sequence[int]] = None, global_offset: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output, float32 row log-sum-exp ``(*batch, L)``, the query, key and value the backward
     pass reads) of :func:`torch_pallas.scaled_dot_product_attention`; arguments pre-checked,
@@ -108,12 +116,13 @@ def _compute_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     bfloat16, returned as the last three outputs, and the output is float32; without it those
     outputs are empty (an op returns no input: the inputs themselves are saved).
     ``sharding_text``: the text of query's :class:`~torch_pallas.sharding.Sharding` over batch
-    dims; each device runs its shard, with its part of the unsharded mask (:func:`shard_dims`)."""
+    dims; each device runs its shard, with its part of the unsharded mask (:func:`shard_dims`).
+    ``global_batch``, ``global_offset``: the operands are a block of those batch dims (:func:`_call`)."""
     operands = (query, key, value)
     if rounded:
         operands = tuple(operand.to(torch.bfloat16) for operand in operands)
     out, lse = _call(attention_kernels.attention_forward, sharding_text, key_data, *operands, (), attn_mask,
-                     (query.dim(), query.dim() - 1), dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
+                     (query.dim(), query.dim() - 1), global_batch, global_offset, dropout_p=dropout_p, impl=impl, causal=is_causal, scale=scale,
                      gqa=enable_gqa, blocks=_blocks(blocks), result_dtype="float32" if rounded else None)
     saved = operands if rounded else tuple(query.new_empty(0) for _ in operands)
     return out, lse, *saved
@@ -131,7 +140,7 @@ attention = torch.library.custom_op("torch_pallas::attention", _compute_attentio
 
 @attention.register_fake
 def _(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, blocks, backward_blocks,
-      rounded=False, sharding_text=None):
+      rounded=False, sharding_text=None, global_batch=None, global_offset=0):
     out_shape, lse_shape = output_shapes(query, key, value, attn_mask, enable_gqa)
     saved = ((operand.new_empty(operand.shape, dtype=torch.bfloat16) if rounded else query.new_empty(0))
              for operand in (query, key, value))
@@ -142,12 +151,14 @@ def _compute_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key
                         attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                         key_data: torch.Tensor, dropout_p: float, impl: str, is_causal: bool, scale: float,
                         enable_gqa: bool, blocks: Optional[Sequence[int]], mask_grad: bool,
-                                sharding_text: Optional[str] = None) -> list[torch.Tensor]:
+                                sharding_text: Optional[str] = None, global_batch: Optional[Sequence[int]] = None,
+                                global_offset: int = 0) -> list[torch.Tensor]:
     """Gradients of :func:`attention` for query, key and value (of ``grad_out``'s dtype: float32
     for the bfloat16 ones a rounded forward saved), and with ``mask_grad`` for a float
     ``attn_mask`` (summed to its shape), from the forward's output and log-sum-exp."""
     return list(_call(attention_kernels.attention_backward, sharding_text, key_data, query, key, value,
-                      (out, lse, grad_out), attn_mask, (query.dim(),) * 3, dropout_p=dropout_p, impl=impl,
+                      (out, lse, grad_out), attn_mask, (query.dim(),) * 3, global_batch, global_offset,
+                      dropout_p=dropout_p, impl=impl,
                       causal=is_causal, scale=scale, gqa=enable_gqa, blocks=_blocks(blocks), bias_grad=mask_grad))
 
 
@@ -158,14 +169,14 @@ attention_backward = _autograd.direct(attention_backward_op, _compute_attention_
 
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, out, lse, key_data, dropout_p, impl, is_causal, scale, enable_gqa,
-      blocks, mask_grad, sharding_text=None):
+      blocks, mask_grad, sharding_text=None, global_batch=None, global_offset=0):
     grads = [torch.empty_like(operand, dtype=grad_out.dtype) for operand in (query, key, value)]
     return grads + ([torch.empty_like(attn_mask)] if mask_grad else [])
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, _,
-     backward_blocks, rounded, ctx.sharding_text) = inputs
+     backward_blocks, rounded, ctx.sharding_text, *ctx.block) = inputs
     out, lse, *saved = output
     ctx.options = (dropout_p, impl, is_causal, scale, enable_gqa, backward_blocks)
     if rounded:
@@ -178,9 +189,9 @@ def _backward(ctx, grad_out, *unused_grads):
     query, key, value, attn_mask, out, lse, key_data = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     grads = attention_backward(grad_out.contiguous(), query, key, value, attn_mask, out, lse, key_data,
-                               *ctx.options, mask_grad, ctx.sharding_text)
+                               *ctx.options, mask_grad, ctx.sharding_text, *ctx.block)
     grad_mask = grads[3] if mask_grad else None
-    return grads[0], grads[1], grads[2], grad_mask, None, None, None, None, None, None, None, None, None, None
+    return grads[0], grads[1], grads[2], grad_mask, *[None] * (10 + len(ctx.block))
 
 
 _apply = _autograd.differentiable(attention, _compute_attention, public_name="torch_pallas.scaled_dot_product_attention",
@@ -190,7 +201,8 @@ _apply = _autograd.differentiable(attention, _compute_attention, public_name="to
 def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
           key_data: torch.Tensor, *, dropout_p: float, impl: str, is_causal: bool, scale: float, enable_gqa: bool,
           blocks: Optional[Sequence[int]] = None, backward_blocks: Optional[Sequence[int]] = None,
-          sharding_text: Optional[str] = None) -> torch.Tensor:
+          sharding_text: Optional[str] = None, global_batch: Optional[Sequence[int]] = None,
+          global_offset: int = 0) -> torch.Tensor:
     """The output of :func:`attention`, differentiable under autograd, ``torch.func``'s
     reverse-mode transforms and ``torch.compile``; float32 operands rounded where
     :func:`bfloat16_operands` says."""
@@ -202,4 +214,4 @@ def apply(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         # call gives each layer's saved mask its own value.
         attn_mask = attn_mask & True if attn_mask.dtype == torch.bool else attn_mask + 0
     return _apply(query, key, value, attn_mask, key_data, dropout_p, impl, is_causal, scale, enable_gqa, blocks,
-                  backward_blocks, bfloat16_operands(query), sharding_text)[0]
+                  backward_blocks, bfloat16_operands(query), sharding_text, global_batch, global_offset)[0]
