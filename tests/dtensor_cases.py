@@ -193,7 +193,8 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
             if (mesh_shape, names) not in meshes:  # a collective: every rank, in order
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
-                      "gpt": run_gpt_case, "attention": run_attention_case}.get(case["op"], run_case)
+                      "gpt": run_gpt_case, "attention": run_attention_case,
+                      "indrnn": run_indrnn_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
                 outcome[name] = None
@@ -239,3 +240,33 @@ def run_attention_case(case: dict, mesh) -> None:
     assert_block(out, whole.detach(), mesh, placements, "output", exact=False)
     for name, got, want in zip(("query", "key", "value"), sharded_operands, whole_operands):
         assert_block(got.grad, want.grad, mesh, placements, f"{name}'s gradient", exact=False)
+
+
+def run_indrnn_case(case: dict, mesh) -> None:
+    """torch_pallas.indrnn of a DTensor split over batch and/or features, its weight and h0
+    DTensors placed to match: each rank's output, h_n and gradients (x, weight summed over the
+    batch shards, h0) = the blocks of the unsharded call within float32 tolerance."""
+    import torch_pallas
+    from torch.distributed.tensor import Replicate, Shard
+
+    steps, batch, features = case["shape"]
+    placements = case["placements"]
+    state = [Shard(0 if p.dim == 1 else 1) if isinstance(p, Shard) else p for p in placements]
+    weight_placements = [Shard(0) if isinstance(p, Shard) and p.dim == 2 else Replicate() for p in placements]
+    generator = torch.Generator().manual_seed(0)
+    x, h0 = torch.randn(case["shape"], generator=generator), torch.randn(batch, features, generator=generator)
+    weight = torch.rand(features, generator=generator)
+    grad, grad_h_n = torch.randn(case["shape"], generator=generator), torch.randn(batch, features, generator=generator)
+    lengths = case.get("lengths")
+    whole_inputs = [t.clone().requires_grad_() for t in (x, weight, h0)]
+    whole_out, whole_h_n = torch_pallas.indrnn(*whole_inputs, lengths=lengths)
+    torch.autograd.backward((whole_out, whole_h_n), (grad, grad_h_n))
+    sharded = [distributed(t, mesh, p).requires_grad_() for t, p in ((x, placements), (weight, weight_placements),
+                                                                       (h0, state))]
+    out, h_n = torch_pallas.indrnn(*sharded, lengths=lengths)
+    torch.autograd.backward((out, h_n), (distributed(grad, mesh, placements), distributed(grad_h_n, mesh, state)))
+    assert_block(out, whole_out.detach(), mesh, placements, "output", exact=False)
+    assert_block(h_n, whole_h_n.detach(), mesh, state, "h_n", exact=False)
+    for name, got, want, where in zip(("x", "weight", "h0"), sharded, whole_inputs,
+                                      (placements, weight_placements, state)):
+        assert_block(got.grad, want.grad, mesh, where, f"{name}'s gradient", exact=False)

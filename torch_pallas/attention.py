@@ -163,4 +163,4 @@ def _on_local_shards(query, key, value, key_data, out_shape, **options):
         return attention_ops.apply(query, key, value, None, key_data, global_batch=tuple(batch),
                                    global_offset=first_plane, **options)
 
-    return dtensors.on_local_shards(local_attention, query, out_shape, query, key, value)
+    return dtensors.on_local_shards(local_attention, query, [(query.placements, out_shape)], query, key, value)

@@ -120,49 +120,57 @@ def _like(local: torch.Tensor, x):
 
 class _OnLocalShards(torch.autograd.Function):
     """``function`` of DTensors' local shards, differentiated locally: each input's gradient is
-    the local one, placed as the input (summed over the ranks, for an input replicated where
-    ``like`` is sharded). Autograd does not go through ``to_local`` and ``from_local`` (see
-    :class:`_Shardwise`)."""
+    the local one, placed as the input (summed over the ranks, for an input replicated on a
+    mesh dim where ``like`` is sharded). Autograd does not go through ``to_local`` and
+    ``from_local`` (see :class:`_Shardwise`)."""
 
     @staticmethod
-    def forward(ctx, function, like, shape, *inputs):
-        ctx.inputs = inputs
+    def forward(ctx, function, like, outputs, *inputs):
+        ctx.inputs, ctx.like = inputs, like
         ctx.locals = [tensor.to_local().detach().requires_grad_(tensor.requires_grad) for tensor in inputs]
         with torch.enable_grad():
-            ctx.output = function(*ctx.locals)
-        ctx.like = like
-        strides = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        return DTensor.from_local(ctx.output.detach(), like.device_mesh, like.placements, run_check=False,
-                                  shape=torch.Size(shape), stride=strides)
+            results = function(*ctx.locals)
+        ctx.results = results if isinstance(results, tuple) else (results,)
+        ctx.outputs = outputs
+        placed = tuple(_placed(result.detach(), like.device_mesh, placements, shape)
+                       for result, (placements, shape) in zip(ctx.results, outputs))
+        return placed if isinstance(results, tuple) else placed[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        like = ctx.like
-        if grad.placements != like.placements:
-            grad = grad.redistribute(like.device_mesh, like.placements)
+    def backward(ctx, *grads):
+        mesh = ctx.like.device_mesh
+        pairs = [(result, grad.redistribute(mesh, placements).to_local())
+                 for result, grad, (placements, _) in zip(ctx.results, grads, ctx.outputs) if grad is not None]
         wanted = [index for index, local in enumerate(ctx.locals) if local.requires_grad]
-        local_grads = torch.autograd.grad(ctx.output, [ctx.locals[index] for index in wanted], grad.to_local(),
-                                          allow_unused=True)
-        grads = [None] * len(ctx.inputs)
+        local_grads = torch.autograd.grad([result for result, _ in pairs], [ctx.locals[index] for index in wanted],
+                                          [grad for _, grad in pairs], allow_unused=True)
+        input_grads = [None] * len(ctx.inputs)
         for index, local_grad in zip(wanted, local_grads):
             tensor = ctx.inputs[index]
             if local_grad is None:
                 continue
             # A replicated input read by sharded work: each rank's gradient is its part of the sum.
             summed = tuple(Partial() if isinstance(own, Replicate) and isinstance(other, Shard) else own
-                           for own, other in zip(tensor.placements, like.placements))
-            grads[index] = DTensor.from_local(local_grad, tensor.device_mesh, summed, run_check=False,
-                                              shape=tensor.shape, stride=tensor.stride())
+                           for own, other in zip(tensor.placements, ctx.like.placements))
+            input_grads[index] = _placed(local_grad, mesh, summed, tensor.shape)
             if summed != tuple(tensor.placements):
-                grads[index] = grads[index].redistribute(tensor.device_mesh, tensor.placements)
-        return None, None, None, *grads
+                input_grads[index] = input_grads[index].redistribute(mesh, tensor.placements)
+        return None, None, None, *input_grads
 
 
-def on_local_shards(function: Callable, like, shape: Sequence[int], *inputs):
-    """``function(*local shards of inputs)``, a local tensor placed as DTensor ``like``, with the
-    global ``shape``, differentiable: each rank differentiates its local computation."""
-    return _OnLocalShards.apply(function, like, tuple(shape), *inputs)
+def _placed(local: torch.Tensor, mesh, placements, shape):
+    """The DTensor of shard ``local`` of a contiguous tensor of ``shape``."""
+    strides = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=torch.Size(shape), stride=strides)
+
+
+def on_local_shards(function: Callable, like, outputs: Sequence, *inputs):
+    """``function(*local shards of inputs)``: a local tensor, or a tuple of them, each placed on
+    DTensor ``like``'s mesh as ``outputs`` say (``(placements, global shape)`` each),
+    differentiable: each rank differentiates its local computation."""
+    return _OnLocalShards.apply(function, like, tuple((tuple(placements), tuple(shape))
+                                                      for placements, shape in outputs), *inputs)
 
 
 def shardwise(x, residual, forward: Callable, adjoint: Callable):

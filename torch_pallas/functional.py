@@ -494,7 +494,9 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
 
     An SPMD-sharded ``x`` (``xs.mark_sharding``) split over batch and/or features runs shard
     by shard on its devices, forward and backward; the weight gradient is summed over the
-    batch shards in a fixed order.
+    batch shards in a fixed order. So does a DTensor ``x`` (:ref:`DTensors <dtensors>`), with
+    a DTensor ``weight`` split as ``x``'s features (else replicated) and ``h0`` as ``x``'s batch
+    and features; ``lengths`` are the whole batch's.
 
     Returns:
         (Tensor, Tensor): ``output`` (x's shape and dtype: every :math:`h_t`) and ``h_n``
@@ -504,8 +506,9 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         TypeError: a non-tensor or a non-float tensor (integer dtypes included).
         ValueError: ``x`` not 3-D, ``weight`` not ``(F,)``, ``h0`` not ``(B, F)``, an
             unknown ``nonlinearity``, a tensor on none of those devices, ``lengths`` not
-            ``(B,)`` integers in :math:`[0, T]`, or an SPMD-sharded ``x`` split along time
-            or into uneven shards.
+            ``(B,)`` integers in :math:`[0, T]`, an SPMD-sharded ``x`` split along time
+            or into uneven shards, or a DTensor ``x`` split along time, or whose ``weight``
+            or ``h0`` are not DTensors placed to match it.
 
     Example::
 
@@ -514,9 +517,53 @@ def indrnn(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None
         >>> output, h_n = torch_pallas.indrnn(x, w)
         >>> output.sum().backward()
     """
-    _checks.check_float_tensor(x, "x")
+    _checks.check_float_tensor(x, "x", dtensors=True)
+    if bridge.is_dtensor(x):
+        return _indrnn_of_dtensors(x, weight, h0, nonlinearity=nonlinearity, batch_first=batch_first, lengths=lengths)
     return indrnn_under_sharding(x, weight, h0, nonlinearity=nonlinearity, batch_first=batch_first, lengths=lengths,
                                  sharding=sharding.resolve(x, mesh, partition_spec))
+
+
+def _indrnn_of_dtensors(x, weight, h0, *, nonlinearity: str, batch_first: bool, lengths):
+    """:func:`indrnn` of a DTensor ``x`` split over batch and/or features: each rank runs the
+    kernels on its shard, with ``weight`` (and ``h0``) DTensors placed to match (the weight's
+    gradient summed over the batch shards)."""
+    check_nonlinearity(nonlinearity)
+    if x.dim() != 3:
+        raise ValueError(f"x must be 3-D {'(B, T, F)' if batch_first else '(T, B, F)'}, got shape {tuple(x.shape)}")
+    dtensors.check_placements(x)
+    time, batch = (1, 0) if batch_first else (0, 1)
+    state_placements, weight_placements = [], []
+    for placement in x.placements:
+        dim = placement.dim % 3 if isinstance(placement, dtensors.Shard) else None
+        if dim == time or isinstance(placement, dtensors.Partial):
+            raise ValueError(f"x is placed {placement}; IndRNN runs each sequence's steps in order on one rank: split x "
+                             "over batch and/or features only")
+        state_placements.append(placement if dim is None else dtensors.Shard(0 if dim == batch else 1))
+        weight_placements.append(dtensors.Shard(0) if dim == 2 else dtensors.Replicate())
+    features = x.shape[2]
+    state_shape = (x.shape[batch], features)
+    for name, tensor, placements, shape in (("weight", weight, weight_placements, (features,)),
+                                            ("h0", h0, state_placements, state_shape)):
+        if tensor is None:
+            continue
+        _checks.check_float_tensor(tensor, name, dtensors=True)
+        if not bridge.is_dtensor(tensor) or tensor.device_mesh != x.device_mesh or tuple(tensor.placements) != tuple(
+                placements) or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be a DTensor of shape {shape} on x's mesh placed {placements} to match x "
+                             f"(distribute_tensor({name}, mesh, {placements}))")
+    if lengths is not None:
+        lengths = _checks.check_lengths(lengths, torch.device("cpu"), x.shape[time], x.shape[batch])
+        local_shape, offset = dtensors.local_block(tuple(x.shape), x.device_mesh, x.placements)
+        lengths = lengths[offset[batch]:offset[batch] + local_shape[batch]].to(bridge.device_of(x))
+    inputs = (x, weight) if h0 is None else (x, weight, h0)
+
+    def local_indrnn(x, weight, h0=None):
+        return indrnn_under_sharding(x, weight, h0, nonlinearity=nonlinearity, batch_first=batch_first,
+                                     lengths=lengths, sharding=None)
+
+    return dtensors.on_local_shards(local_indrnn, x, [(x.placements, x.shape), (state_placements, state_shape)],
+                                    *inputs)
 
 
 def indrnn_under_sharding(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None, *, nonlinearity: str,

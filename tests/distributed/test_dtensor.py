@@ -76,6 +76,10 @@ for world, mesh, placements, kv_shape, impl in (
     name = f"attention-{impl}-{'gqa-' if kv_shape != HEADS else ''}{''.join(map(str, placements))}-mesh{mesh}"
     CASES[world][name] = dict(op="attention", shape=HEADS, kv_shape=kv_shape, placements=placements, mesh=mesh,
                               impl=impl)
+for world, mesh, placements, lengths in ((2, (2,), [Shard(1)], [8, 3, 0, 5]), (2, (2,), [Shard(2)], None),
+                                         (4, (2, 2), [Shard(1), Shard(2)], [8, 3, 0, 5])):
+    name = f"indrnn-{''.join(map(str, placements))}{'-lengths' if lengths else ''}-mesh{mesh}"
+    CASES[world][name] = dict(op="indrnn", shape=(8, 4, 128), placements=placements, mesh=mesh, lengths=lengths)
 for checkpointed in (False, True):
     CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
         op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)

@@ -87,7 +87,7 @@ def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
     """docs/sharding.md, DTensors: on fake tpu tensors and a fake two-rank group, dropout of a
     DTensor (called, routed, in a converted module) dispatches torch_pallas's kernel on the rank's
     shard with the whole tensor's shape and keeps the placement; so does routed SDPA split over
-    heads; SDPA split along the sequence stays torch's, and IndRNN names the fix."""
+    heads; SDPA split along the sequence stays torch's; indrnn names how to place its weight."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     tpu_mesh = two_rank_mesh("tpu")  # outside fake mode: the mesh reads its own ranks
@@ -103,7 +103,8 @@ def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
                 with pytest.warns(UserWarning, match="dropout_p is applied by torch"):
                     along_sequence = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None],
                                                                                         dropout_p=0.5)
-        with pytest.raises(TypeError, match=r"x is a DTensor.*does not take yet.*x\.full_tensor\(\)"):
+        with pytest.raises(ValueError, match=r"weight must be a DTensor of shape \(128,\) on x's mesh placed "
+                                             r"\[Replicate\(\)\].*distribute_tensor"):
             torch_pallas.indrnn(x[None], torch.ones(128, device="tpu"))
     kernels = [args for name, args in dispatched.calls if name == "torch_pallas::dropout"]
     # threefry draws the shard's rows; the default, tiled, draws the one band of (8, 128) tiles the
