@@ -221,25 +221,33 @@ def run_gpt_case(case: dict, mesh) -> None:
 
 
 def run_attention_case(case: dict, mesh) -> None:
-    """torch_pallas's attention with dropout (causal) of DTensors split over batch dims: each
-    rank's output and query, key and value gradients = the block of the unsharded call, bit for
-    bit (the same kernels on fewer planes)."""
+    """torch_pallas's attention with dropout (causal, or a DTensor mask) of DTensors split over batch dims: each
+    rank's output = the block of the unsharded call bit for bit, and the query, key and value
+    gradients within float32 tolerance (on jax 0.10 the backward kernels, on fewer planes, can
+    accumulate in another order)."""
     import torch_pallas
 
     placements = case["placements"]
     generator = torch.Generator().manual_seed(0)
     operands = [torch.randn(shape, generator=generator) for shape in (case["shape"], case["kv_shape"], case["kv_shape"])]
     grad = torch.randn(case["shape"], generator=generator)
-    options = dict(dropout_p=0.3, is_causal=True, seed=SEED, impl=case["impl"], enable_gqa=case["shape"] != case["kv_shape"])
+    options = dict(dropout_p=0.3, seed=SEED, impl=case["impl"], enable_gqa=case["shape"] != case["kv_shape"])
+    mask = None
+    if "mask_shape" in case:  # a padding mask (bool) or a bias (float), in place of causality
+        mask = torch.rand(case["mask_shape"], generator=generator) > 0.3
+        mask = mask if case["mask_dtype"] == torch.bool else torch.where(mask, 0.0, -1e4)
     whole_operands = [operand.clone().requires_grad_() for operand in operands]
-    whole = torch_pallas.scaled_dot_product_attention(*whole_operands, **options)
+    whole = torch_pallas.scaled_dot_product_attention(*whole_operands, attn_mask=mask, is_causal=mask is None,
+                                                      **options)
     whole.backward(grad)
     sharded_operands = [distributed(operand, mesh, placements).requires_grad_() for operand in operands]
-    out = torch_pallas.scaled_dot_product_attention(*sharded_operands, **options)
+    sharded_mask = None if mask is None else distributed(mask, mesh, case["mask_placements"])
+    out = torch_pallas.scaled_dot_product_attention(*sharded_operands, attn_mask=sharded_mask, is_causal=mask is None,
+                                                    **options)
     out.backward(distributed(grad, mesh, placements))
     assert_block(out, whole.detach(), mesh, placements, "output")
     for name, got, want in zip(("query", "key", "value"), sharded_operands, whole_operands):
-        assert_block(got.grad, want.grad, mesh, placements, f"{name}'s gradient")
+        assert_block(got.grad, want.grad, mesh, placements, f"{name}'s gradient", exact=False)
 
 
 def run_indrnn_case(case: dict, mesh) -> None:

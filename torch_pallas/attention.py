@@ -117,7 +117,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         # Nothing to attend to (S == 0) gives zeros, as torch's; the kernels need a block.
         return query.new_zeros(out_shape)
     if distributed:
-        return _on_local_shards(query, key, value, key_data, out_shape, dropout_p=dropout_p, impl=impl,
+        return _on_local_shards(query, key, value, attn_mask, key_data, out_shape, dropout_p=dropout_p, impl=impl,
                                 is_causal=bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa))
     query_sharding = sharding.resolve(query)
     if query_sharding is not None:
@@ -129,15 +129,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 
 def check_dtensor_operands(query, key, value, attn_mask) -> None:
-    """Attention of DTensors: query, key and value placed alike, split over batch dims only.
+    """Attention of DTensors: query, key and value placed alike, split over batch dims only; a
+    mask, a DTensor too, that needs no gradient.
 
     Raises:
-        TypeError: some of them DTensors and some not, or an ``attn_mask`` (not taken yet).
-        ValueError: placements that differ, or split a length or head dim, or are Partial.
+        TypeError: some of them DTensors and some not.
+        ValueError: placements that differ, or split a length or head dim, or are Partial; a
+            mask that requires a gradient.
     """
-    if not all(bridge.is_dtensor(tensor) for tensor in (query, key, value)) or attn_mask is not None:
-        raise TypeError("attention of DTensors takes a query, key and value that are all DTensors, and no attn_mask "
-                        "yet (is_causal=True for a causal mask); otherwise call it on their full_tensor()")
+    if not all(bridge.is_dtensor(tensor) for tensor in (query, key, value, *(() if attn_mask is None else (attn_mask,)))):
+        raise TypeError("attention of DTensors takes a query, key, value and attn_mask that are all DTensors "
+                        "(DTensor.from_local or distribute_tensor for the others), or calls on their full_tensor()")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attention of DTensors takes an attn_mask that requires no gradient (not yet one that does): "
+                         "detach it, or call attention on the full_tensor()s")
     dtensors.check_placements(query, "query")
     if any(tensor.device_mesh != query.device_mesh or tensor.placements != query.placements for tensor in (key, value)):
         raise ValueError(f"query, key and value must be placed alike on one mesh, got {query.placements}, "
@@ -150,17 +155,26 @@ def check_dtensor_operands(query, key, value, attn_mask) -> None:
                              f"for query of shape {tuple(query.shape)}: redistribute the others")
 
 
-def _on_local_shards(query, key, value, key_data, out_shape, **options):
+def _on_local_shards(query, key, value, attn_mask, key_data, out_shape, **options):
     """Each rank's attention on its shards of the batch dims, drawing their planes' part of the
-    unsharded dropout mask."""
+    unsharded dropout mask; the rank's block of ``attn_mask`` (gathered whole first unless it is
+    replicated), cut along the batch dims it does not broadcast over."""
     batch = query.shape[:-2]
     local_shape, offset = dtensors.local_block(tuple(query.shape), query.device_mesh, query.placements)
     first_plane = sum(index * math.prod(batch[d + 1:]) for d, index in enumerate(offset[:-2]))
+    mask = None
+    if attn_mask is not None:
+        whole = attn_mask.to_local() if all(isinstance(placement, dtensors.Replicate)
+                                            for placement in attn_mask.placements) else attn_mask.full_tensor()
+        lead = query.dim() - attn_mask.dim()
+        mask = whole[tuple(slice(offset[lead + d], offset[lead + d] + local_shape[lead + d])
+                           if d < attn_mask.dim() - 2 and d + lead >= 0 and whole.shape[d] != 1 else slice(None)
+                           for d in range(attn_mask.dim()))]
 
     def local_attention(query, key, value):
         if math.prod(local_shape) == 0:
             return query.new_zeros((*query.shape[:-1], value.shape[-1]))
-        return attention_ops.apply(query, key, value, None, key_data, global_batch=tuple(batch),
+        return attention_ops.apply(query, key, value, mask, key_data, global_batch=tuple(batch),
                                    global_offset=first_plane, **options)
 
     return dtensors.on_local_shards(local_attention, query, [(query.placements, out_shape)], query, key, value)

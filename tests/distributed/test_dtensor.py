@@ -76,6 +76,12 @@ for world, mesh, placements, kv_shape, impl in (
     name = f"attention-{impl}-{'gqa-' if kv_shape != HEADS else ''}{''.join(map(str, placements))}-mesh{mesh}"
     CASES[world][name] = dict(op="attention", shape=HEADS, kv_shape=kv_shape, placements=placements, mesh=mesh,
                               impl=impl)
+CASES[2]["attention-padding-mask-split-with-the-batch-mesh(2,)"] = dict(
+    op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(0)], mesh=(2,), impl="tiled",
+    mask_shape=(4, 1, 32, 32), mask_dtype=torch.bool, mask_placements=[Shard(0)])
+CASES[4]["attention-bias-replicated-mesh(2, 2)"] = dict(
+    op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(0), Shard(1)], mesh=(2, 2), impl="tiled",
+    mask_shape=(32, 32), mask_dtype=torch.float32, mask_placements=[Replicate(), Replicate()])
 for world, mesh, placements, lengths in ((2, (2,), [Shard(1)], [8, 3, 0, 5]), (2, (2,), [Shard(2)], None),
                                          (4, (2, 2), [Shard(1), Shard(2)], [8, 3, 0, 5])):
     name = f"indrnn-{''.join(map(str, placements))}{'-lengths' if lengths else ''}-mesh{mesh}"
