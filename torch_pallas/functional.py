@@ -176,7 +176,8 @@ def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
                                                                      _checks.jax_dtype_name(x.dtype))):
         return False
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == x.dtype
-            and weight.device == x.device and not bridge.is_dtensor(x) and not bridge.is_dtensor(weight) and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
+            and weight.device == x.device and not bridge.is_dtensor(x) and not bridge.is_dtensor(weight)
+            and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
             and drawn.sharding_text is None and sharding.resolve(weight) is None
             and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl))
 
@@ -396,13 +397,13 @@ def _feature_dropout(x, p, training, inplace, seed, generator, impl, *, spatial_
     channels = x.shape[:leading]
     if p == 1.0:
         output = x * 0
-    elif bridge.is_dtensor(x):
-        scale = _channel_scale(x, channels, p, seed, generator, impl)
-        output = dtensors.shardwise(x, None, lambda x, _: dtensors.map_channels(x, scale),
-                                    lambda grad: dtensors.map_channels(grad, scale))
     else:
         scale = _channel_scale(x, channels, p, seed, generator, impl)
-        output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
+        if bridge.is_dtensor(x):
+            output = dtensors.shardwise(x, None, lambda x, _: dtensors.map_channels(x, scale),
+                                        lambda grad: dtensors.map_channels(grad, scale))
+        else:
+            output = x * scale.reshape(*channels, *[1] * (x.dim() - leading))
     return x.copy_(output) if inplace else output
 
 

@@ -1,7 +1,10 @@
-"""docs/sharding.md, DTensors: torch_pallas's dropout, its channel variants and dropout_add take
-``torch.distributed`` DTensors, each rank drawing its shard's part of the whole tensor's noise;
-sharded equals unsharded bit for bit, values and gradients, on 2 and 4 real processes (gloo,
-CPU tensors), each group in processes of its own (tests/dtensor_cases.py runs the cases)."""
+"""docs/sharding.md, DTensors: torch_pallas's ops take ``torch.distributed`` DTensors (dropout and
+its channel variants, dropout_add, dropout_linear, dropout_matmul, random.* with device_mesh=,
+attention, indrnn), each rank drawing its shard's part of the whole tensor's noise: sharded
+equals unsharded, bit for bit where the same kernels run (tolerances are named in the cases), on
+2 and 4 real processes (gloo, CPU tensors), each group in processes of its own
+(tests/dtensor_cases.py runs the cases); and examples/train_tensor_parallel.py's TP + SP + FSDP2
+training equals one process."""
 
 import multiprocessing
 import os
