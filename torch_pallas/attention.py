@@ -139,7 +139,7 @@ def check_dtensor_operands(query, key, value, attn_mask) -> None:
     """
     if not all(bridge.is_dtensor(tensor) for tensor in (query, key, value, *(() if attn_mask is None else (attn_mask,)))):
         raise TypeError("attention of DTensors takes a query, key, value and attn_mask that are all DTensors "
-                        "(DTensor.from_local or distribute_tensor for the others), or calls on their full_tensor()")
+                        "(DTensor.from_local or distribute_tensor makes the others), or call it on their full_tensor()")
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attention of DTensors takes an attn_mask that requires no gradient (not yet one that does): "
                          "detach it, or call attention on the full_tensor()s")
@@ -161,7 +161,7 @@ def _on_local_shards(query, key, value, attn_mask, key_data, out_shape, **option
     replicated), cut along the batch dims it does not broadcast over."""
     batch = query.shape[:-2]
     local_shape, offset = dtensors.local_block(tuple(query.shape), query.device_mesh, query.placements)
-    first_plane = sum(index * math.prod(batch[d + 1:]) for d, index in enumerate(offset[:-2]))
+    first_plane = dtensors.flat_offset(offset[:-2], batch)
     mask = None
     if attn_mask is not None:
         whole = attn_mask.to_local() if all(isinstance(placement, dtensors.Replicate)

@@ -43,8 +43,8 @@ if torch.distributed.is_available():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["check_layout", "check_placements", "local_block", "map_channels", "map_noise_blocks", "on_local_shards",
-           "placements_match", "sample_on_mesh", "shardwise"]
+__all__ = ["check_layout", "check_placements", "flat_offset", "local_block", "map_channels", "map_noise_blocks",
+           "on_local_shards", "placements_match", "sample_on_mesh", "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -80,7 +80,7 @@ def local_block(global_shape: Sequence[int], mesh, placements) -> tuple[tuple[in
     return tuple(shape), tuple(offset)
 
 
-def _flat_offset(offset: Sequence[int], shape: Sequence[int], shared_over_first_dim: bool) -> int:
+def flat_offset(offset: Sequence[int], shape: Sequence[int], shared_over_first_dim: bool = False) -> int:
     """The flat index, in the noise of a tensor of ``shape``, of the element at ``offset``
     (``shared_over_first_dim``: in the noise of ``shape[1:]``)."""
     first = 1 if shared_over_first_dim else 0
@@ -201,7 +201,7 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
     elif not prng.per_tile(impl) or shared_over_first_dim or local_shape == shape:
         check_noise_block(local_shape, shape, impl, shared_over_first_dim)
         output = block_op(*locals_, global_shape=shape,
-                          global_offset=_flat_offset(offset, shape, shared_over_first_dim))
+                          global_offset=flat_offset(offset, shape, shared_over_first_dim))
     else:
         output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl)
     return _like(output, x)
@@ -274,7 +274,7 @@ def _in_covering_bands(locals_: list, block_op: Callable, shape: tuple, local_sh
     split = max(d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole)
     run = local_shape[split] * math.prod(shape[split + 1:])
     outer = local_shape[:split]
-    starts = [_flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
+    starts = [flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
                             *[0] * (len(shape) - split - 1)], shape, False) for index in range(math.prod(outer))]
 
     def drawn_over(padded: list, first: int) -> torch.Tensor:

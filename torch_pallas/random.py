@@ -81,8 +81,12 @@ def _sample(distribution, shape, *, p, seed, generator, device, dtype, impl, mes
         dtensors.check_layout(device_mesh, placements)
         device = bridge.device_or_default(device if device is not None else torch.device(device_mesh.device_type))
         key_data = seeds.draw(seed, generator, device)
-        return dtensors.sample_on_mesh(shape, device_mesh, placements, lambda block_shape, **where: sampling_ops.sample(
-            key_data, block_shape, distribution=distribution, dtype=dtype, p=p, impl=impl, **where), impl=impl)
+
+        def sample_block(block_shape, **where):
+            return sampling_ops.sample(key_data, block_shape, distribution=distribution, dtype=dtype, p=p, impl=impl,
+                                       **where)
+
+        return dtensors.sample_on_mesh(shape, device_mesh, placements, sample_block, impl=impl)
     device = bridge.device_or_default(device)
     output_sharding = sharding.resolve(None, mesh, partition_spec)
     sharding_text = None if output_sharding is None else output_sharding.check(shape, "shape", impl)
@@ -169,4 +173,5 @@ def bernoulli(shape, p=0.5, *, seed=None, generator=None, device=None, impl=None
         TypeError: ``p`` not a real number, and the errors of :func:`uniform`.
     """
     return _sample("bernoulli", shape, p=p, seed=seed, generator=generator, device=device,
-                   dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec, device_mesh=device_mesh, placements=placements)
+                   dtype=torch.float32, impl=impl, mesh=mesh, partition_spec=partition_spec, device_mesh=device_mesh,
+                   placements=placements)

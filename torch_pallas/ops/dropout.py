@@ -30,7 +30,8 @@ def _compute_dropout(x: torch.Tensor, key_data: torch.Tensor, p: float, impl: st
     runs on each device's shard, which gets its part of the unsharded mask.
     ``global_shape``: ``x`` is a block of a tensor of that shape (a DTensor's local shard)
     whose first element is at flat index ``global_offset`` there; it gets its part of that
-    tensor's mask (:mod:`torch_pallas.dtensors`). A float64 ``x`` gets the float32 kernel's mask, applied in float64 outside the kernel.
+    tensor's mask (:mod:`torch_pallas.dtensors`). A float64 ``x`` gets the float32 kernel's
+    mask, applied in float64 outside the kernel.
     """
     if x.numel() == 0:
         return torch.empty_like(x)
