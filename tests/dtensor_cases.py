@@ -1,7 +1,11 @@
 """The DTensor cases of test_dtensor.py, run in real processes (gloo, CPU tensors): every rank
 builds its shard of a global tensor with no collective (``DTensor.from_local``), runs the op, and
 compares its local output and gradient with the same block of the unsharded call, which it
-computes itself. No case communicates, so a rank's failure cannot hang the others."""
+computes itself (through torch's own compute_local_shape_and_global_offset, a reference for
+torch_pallas's dtensors.local_block). The op cases' checks do not communicate; the cases of
+torch's parallel plans, of gathered masks and of replicated operands' gradients do, as those
+features do, so a rank failing before such a collective leaves the others waiting until the
+test's timeout."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch.distributed as dist
 SEED = 5
 
 
-def block_of(global_tensor, mesh, placements, rank_of_partial=0):
+def block_of(global_tensor, mesh, placements):
     """The local shard of ``global_tensor`` placed as ``placements`` (a Partial sum: all of it
     on the mesh coordinate 0 of that dim, zeros elsewhere) and its slices in the whole."""
     from torch.distributed.tensor import Partial
@@ -27,7 +31,7 @@ def block_of(global_tensor, mesh, placements, rank_of_partial=0):
     local = global_tensor[slices].clone()
     coordinate = mesh.get_coordinate()
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Partial) and coordinate[dim] != rank_of_partial:
+        if isinstance(placement, Partial) and coordinate[dim] != 0:
             local = local * 0
     return local, slices
 
@@ -40,14 +44,11 @@ def distributed(global_tensor, mesh, placements):
                               stride=global_tensor.stride())
 
 
-def expected_block(whole, mesh, placements):
-    """What a rank holds of ``whole`` computed unsharded, for output placements ``placements``
-    (a Partial output: all of it at coordinate 0, zeros elsewhere, as the inputs were built)."""
-    return block_of(whole, mesh, placements)[0]
-
-
 def assert_block(got, whole, mesh, placements, what, exact=True):
-    want = expected_block(whole, mesh, placements)
+    """``got``'s shard is what a rank holds of ``whole``, computed unsharded, placed as
+    ``placements`` (a Partial output: all of it at coordinate 0, zeros elsewhere, as the inputs
+    were built)."""
+    want = block_of(whole, mesh, placements)[0]
     assert tuple(got.placements) == tuple(placements), f"{what}: placements {got.placements} != {placements}"
     local = got.to_local()
     if not exact:
