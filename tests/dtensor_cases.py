@@ -44,15 +44,16 @@ def distributed(global_tensor, mesh, placements):
                               stride=global_tensor.stride())
 
 
-def assert_block(got, whole, mesh, placements, what, exact=True):
+def assert_block(got, whole, mesh, placements, what, exact=True, atol=1e-5):
     """``got``'s shard is what a rank holds of ``whole``, computed unsharded, placed as
     ``placements`` (a Partial output: all of it at coordinate 0, zeros elsewhere, as the inputs
-    were built)."""
+    were built), bit for bit or (``exact=False``) within float32 tolerance (``atol``: for sums
+    of many products)."""
     want = block_of(whole, mesh, placements)[0]
     assert tuple(got.placements) == tuple(placements), f"{what}: placements {got.placements} != {placements}"
     local = got.to_local()
     if not exact:
-        torch.testing.assert_close(local, want, rtol=1e-5, atol=1e-5, msg=lambda message: f"{what}: {message}")
+        torch.testing.assert_close(local, want, rtol=1e-5, atol=atol, msg=lambda message: f"{what}: {message}")
         return
     assert torch.equal(local, want), f"{what}: the shard differs from the unsharded call's block " \
                                      f"({(local != want).sum()} of {want.numel()} elements)"
@@ -96,7 +97,7 @@ def run_case(case: dict, mesh) -> None:
     elif op == "dropout2d":
         def call(t):
             return torch_pallas.dropout2d(t, 0.3, seed=SEED, **options)
-    elif op in ("dropout_matmul", "dropout_linear"):
+    elif op == "dropout_matmul":
         # The other operand, replicated (its gradient, all-reduced by torch, is not checked here).
         other = distributed(torch.randn(case["other"], generator=generator).to(dtype), mesh,
                             [Replicate()] * mesh.ndim)
@@ -129,12 +130,55 @@ def run_case(case: dict, mesh) -> None:
     out = call(sharded_x, sharded_residual) if op == "dropout_add" else call(sharded_x)
     out.backward(distributed(whole_grad(whole, grad), mesh, out.placements))
     # The products, of the dropped x, sum in another order than the fused kernels' on a whole tensor.
-    exact = op not in ("dropout_matmul", "dropout_linear")
+    exact = op != "dropout_matmul"
     assert_block(out, whole.detach(), mesh, out.placements, "output", exact)
     assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient", exact)
     if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in placements):
         # (a Partial residual's gradient is torch's business: its add reduces it to a Replicate one)
         assert_block(sharded_residual.grad, whole_residual.grad, mesh, placements, "residual's gradient")
+
+
+def run_linear_case(case: dict, mesh) -> None:
+    """torch_pallas.dropout_linear of an x and a weight (and a bias) DTensors: the fused kernel on
+    each rank's shards where ``fused`` (counted), else dropout then torch's linear of DTensors;
+    each rank's output and gradients = the blocks of the unsharded call, bit for bit those named
+    in ``exact`` (the fused kernel's own rows; a sum over ranks, or torch's products, within
+    float32 tolerance)."""
+    import torch_pallas
+    from torch.distributed.tensor import Partial
+    from torch_pallas.ops import dropout_linear as dropout_linear_ops
+
+    generator = torch.Generator().manual_seed(0)
+    x_shape, (N, K) = case["shape"], case["weight"]
+    tensors = {"x": torch.randn(x_shape, generator=generator), "weight": torch.randn(N, K, generator=generator)}
+    placements = {"x": case["placements"], "weight": case["weight_placements"]}
+    if "bias_placements" in case:
+        tensors["bias"], placements["bias"] = torch.randn(N, generator=generator), case["bias_placements"]
+    options = dict(p=0.3, seed=SEED, impl=case["impl"])
+    whole_inputs = {name: tensor.clone().requires_grad_() for name, tensor in tensors.items()}
+    whole = torch_pallas.dropout_linear(**whole_inputs, **options)
+    grad = torch.randn(whole.shape, generator=generator)
+    whole.backward(grad)
+    sharded = {name: distributed(tensor, mesh, placements[name]).requires_grad_() for name, tensor in tensors.items()}
+    calls = []
+    apply = dropout_linear_ops.apply
+    dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
+    try:
+        out = torch_pallas.dropout_linear(**sharded, **options)
+    finally:
+        dropout_linear_ops.apply = apply
+    assert bool(calls) == case["fused"], f"fused kernel calls: {calls}"
+    assert tuple(out.placements) == tuple(case["out_placements"]), out.placements
+    partial = any(isinstance(placement, Partial) for placement in out.placements)
+    out.backward(distributed(grad, mesh, out.placements))
+    exact = case.get("exact", ())
+    if partial:  # (each rank's product of its features: compared summed)
+        torch.testing.assert_close(out.full_tensor(), whole.detach(), rtol=1e-5, atol=1e-4)
+    else:
+        assert_block(out, whole.detach(), mesh, out.placements, "output", "output" in exact, atol=1e-4)
+    for name, tensor in sharded.items():
+        assert_block(tensor.grad, whole_inputs[name].grad, mesh, placements[name], f"{name}'s gradient", name in exact,
+                     atol=1e-4)
 
 
 def whole_grad(whole, grad):
@@ -195,7 +239,7 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
                       "gpt": run_gpt_case, "attention": run_attention_case,
-                      "indrnn": run_indrnn_case}.get(case["op"], run_case)
+                      "indrnn": run_indrnn_case, "dropout_linear": run_linear_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
                 outcome[name] = None

@@ -177,4 +177,4 @@ def _on_local_shards(query, key, value, attn_mask, key_data, out_shape, **option
         return attention_ops.apply(query, key, value, mask, key_data, global_batch=tuple(batch),
                                    global_offset=first_plane, **options)
 
-    return dtensors.on_local_shards(local_attention, query, [(query.placements, out_shape)], query, key, value)
+    return dtensors.on_local_shards(local_attention, query.device_mesh, query.placements, [(query.placements, out_shape)], query, key, value)

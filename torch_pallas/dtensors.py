@@ -29,6 +29,7 @@ Tested with real processes on torch 2.9 and 2.14 (``tests/distributed``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -43,8 +44,8 @@ if torch.distributed.is_available():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["check_layout", "check_placements", "flat_offset", "local_block", "map_channels", "map_noise_blocks",
-           "on_local_shards", "placements_match", "sample_on_mesh", "shardwise"]
+__all__ = ["check_layout", "check_placements", "flat_offset", "linear_placements", "local_block", "map_channels",
+           "map_noise_blocks", "on_local_shards", "placements_match", "row_runs", "sample_on_mesh", "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -69,8 +70,13 @@ def local_block(global_shape: Sequence[int], mesh, placements) -> tuple[tuple[in
     what the earlier ones left as ``torch.chunk`` does (chunks of ``ceil(size / ranks)``, the
     last ones shorter or empty), as DTensor places shards. Plain arithmetic on the mesh
     coordinate, so it also runs on fake tensors."""
+    return _block_at(global_shape, mesh, placements, mesh.get_coordinate())
+
+
+def _block_at(global_shape: Sequence[int], mesh, placements, coordinate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`local_block` of the rank at ``coordinate`` of ``mesh``."""
     shape, offset = list(global_shape), [0] * len(global_shape)
-    for mesh_dim, (placement, index) in enumerate(zip(placements, mesh.get_coordinate())):
+    for mesh_dim, (placement, index) in enumerate(zip(placements, coordinate)):
         if isinstance(placement, Shard):
             dim = placement.dim % len(shape)
             chunk = -(-shape[dim] // mesh.size(mesh_dim))
@@ -85,6 +91,57 @@ def flat_offset(offset: Sequence[int], shape: Sequence[int], shared_over_first_d
     (``shared_over_first_dim``: in the noise of ``shape[1:]``)."""
     first = 1 if shared_over_first_dim else 0
     return sum(index * math.prod(shape[d + 1:]) for d, index in enumerate(offset) if d >= first)
+
+
+def _runs(shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int]) -> tuple[int, list[int]]:
+    """The runs of the block of ``local_shape`` at ``offset`` of a tensor of ``shape``, in its
+    flat order: (their length, the flat index of each start), one run per index of the dims
+    before the last dim the block splits, in the block's own order."""
+    split = max((d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole), default=0)
+    outer = local_shape[:split]
+    starts = [flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
+                           *[0] * (len(shape) - split - 1)], shape) for index in range(math.prod(outer))]
+    return local_shape[split] * math.prod(shape[split + 1:]), starts
+
+
+def row_runs(x) -> list[tuple[int, list[int]]] | None:
+    """This rank's block of DTensor ``x`` as runs of the ``(M, K)`` rows of ``x`` (``K`` its last
+    dim): (rows per run, each run's first row); ``None`` where some rank's block splits the
+    last dim or has more than :data:`_MOST_CALLS` runs (each a kernel call)."""
+    shape = tuple(x.shape)
+    if not shape:
+        return None
+    mesh = x.device_mesh
+    own = tuple(mesh.get_coordinate())
+    for coordinate in [own, *(c for c in itertools.product(*map(range, mesh.shape)) if c != own)]:
+        block_shape, offset = _block_at(shape, mesh, x.placements, coordinate)
+        length, starts = _runs(shape, block_shape, offset)
+        if block_shape[-1] != shape[-1] or len(starts) > _MOST_CALLS:
+            return None
+        if coordinate == own:
+            runs = length // shape[-1], [start // shape[-1] for start in starts]
+    return runs
+
+
+def linear_placements(x, weight) -> tuple | None:
+    """The placements of ``F.linear(x, weight)`` of DTensors when each rank computes its block
+    from its own shards, with no communication: per mesh dim, both replicated; ``x`` split
+    along a dim but its last (rows) and ``weight`` replicated; or ``x`` replicated and
+    ``weight`` split along its rows (output features: tensor parallelism's column shards).
+    ``None`` for any other pair."""
+    if not (bridge.is_dtensor(weight) and weight.device_mesh == x.device_mesh and weight.dim() == 2 and x.dim() >= 1):
+        return None
+    placements = []
+    for own, other in zip(x.placements, weight.placements):
+        if isinstance(own, Replicate) and isinstance(other, Replicate):
+            placements.append(Replicate())
+        elif type(own) is Shard and own.dim % x.dim() != x.dim() - 1 and isinstance(other, Replicate):
+            placements.append(Shard(own.dim % x.dim()))
+        elif isinstance(own, Replicate) and type(other) is Shard and other.dim % 2 == 0:
+            placements.append(Shard(x.dim() - 1))
+        else:
+            return None
+    return tuple(placements)
 
 
 class _Shardwise(torch.autograd.Function):
@@ -121,25 +178,25 @@ def _like(local: torch.Tensor, x):
 class _OnLocalShards(torch.autograd.Function):
     """``function`` of DTensors' local shards, differentiated locally: each input's gradient is
     the local one, placed as the input (summed over the ranks, for an input replicated on a
-    mesh dim where ``like`` is sharded). Autograd does not go through ``to_local`` and
+    mesh dim that splits the work). Autograd does not go through ``to_local`` and
     ``from_local`` (see :class:`_Shardwise`)."""
 
     @staticmethod
-    def forward(ctx, function, like, outputs, *inputs):
-        ctx.inputs, ctx.like = inputs, like
+    def forward(ctx, function, mesh, work_placements, outputs, *inputs):
+        ctx.inputs, ctx.mesh, ctx.work_placements = inputs, mesh, work_placements
         ctx.locals = [tensor.to_local().detach().requires_grad_(tensor.requires_grad) for tensor in inputs]
         with torch.enable_grad():
             results = function(*ctx.locals)
         ctx.results = results if isinstance(results, tuple) else (results,)
         ctx.outputs = outputs
-        placed = tuple(_placed(result.detach(), like.device_mesh, placements, shape)
+        placed = tuple(_placed(result.detach(), mesh, placements, shape)
                        for result, (placements, shape) in zip(ctx.results, outputs))
         return placed if isinstance(results, tuple) else placed[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        mesh = ctx.like.device_mesh
+        mesh = ctx.mesh
         pairs = [(result, grad.redistribute(mesh, placements).to_local())
                  for result, grad, (placements, _) in zip(ctx.results, grads, ctx.outputs) if grad is not None]
         wanted = [index for index, local in enumerate(ctx.locals) if local.requires_grad]
@@ -152,11 +209,11 @@ class _OnLocalShards(torch.autograd.Function):
                 continue
             # A replicated input read by sharded work: each rank's gradient is its part of the sum.
             summed = tuple(Partial() if isinstance(own, Replicate) and isinstance(other, Shard) else own
-                           for own, other in zip(tensor.placements, ctx.like.placements))
+                           for own, other in zip(tensor.placements, ctx.work_placements))
             input_grads[index] = _placed(local_grad, mesh, summed, tensor.shape)
             if summed != tuple(tensor.placements):
                 input_grads[index] = input_grads[index].redistribute(mesh, tensor.placements)
-        return None, None, None, *input_grads
+        return None, None, None, None, *input_grads
 
 
 def _placed(local: torch.Tensor, mesh, placements, shape):
@@ -165,12 +222,13 @@ def _placed(local: torch.Tensor, mesh, placements, shape):
     return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=torch.Size(shape), stride=strides)
 
 
-def on_local_shards(function: Callable, like, outputs: Sequence, *inputs):
+def on_local_shards(function: Callable, mesh, work_placements, outputs: Sequence, *inputs):
     """``function(*local shards of inputs)``: a local tensor, or a tuple of them, each placed on
-    DTensor ``like``'s mesh as ``outputs`` say (``(placements, global shape)`` each),
-    differentiable: each rank differentiates its local computation."""
-    return _OnLocalShards.apply(function, like, tuple((tuple(placements), tuple(shape))
-                                                      for placements, shape in outputs), *inputs)
+    ``mesh`` as ``outputs`` say (``(placements, global shape)`` each), differentiable: each rank
+    differentiates its local computation. ``work_placements`` say which mesh dims split the work
+    (``Shard``): an input replicated on such a dim gets the sum of the ranks' gradients."""
+    return _OnLocalShards.apply(function, mesh, tuple(work_placements),
+                                tuple((tuple(placements), tuple(shape)) for placements, shape in outputs), *inputs)
 
 
 def shardwise(x, residual, forward: Callable, adjoint: Callable):
@@ -271,11 +329,7 @@ def _in_covering_bands(locals_: list, block_op: Callable, shape: tuple, local_sh
     band = columns * seed_tile[0] if numel > columns else seed_tile[1]
     # The 2-D view's own noise is the whole tensor's: the same tiles over the same flat indices.
     assert elementwise.per_tile_view(view, view, False, impl)[3:] == (columns, seed_tile), (shape, view)
-    split = max(d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole)
-    run = local_shape[split] * math.prod(shape[split + 1:])
-    outer = local_shape[:split]
-    starts = [flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
-                            *[0] * (len(shape) - split - 1)], shape, False) for index in range(math.prod(outer))]
+    run, starts = _runs(shape, local_shape, offset)
 
     def drawn_over(padded: list, first: int) -> torch.Tensor:
         # (the last band may reach into the view's padding, past the tensor's end)

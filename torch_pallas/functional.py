@@ -135,11 +135,46 @@ class DrawnDropout(NamedTuple):
         """``F.linear(self.output(), weight, bias)``: in one kernel when :func:`fuses_linear` says
         so; it reads ``narrow`` instead of ``self.x`` where ``self.x`` is ``narrow.to(float32)``
         of a 16-bit ``narrow``."""
+        if self.key_data is not None and bridge.is_dtensor(self.x):
+            out = self._linear_of_shards(weight)
+            if out is not None:
+                return out if bias is None else out + bias
         if self.key_data is None or not fuses_linear(self, weight, narrow):
             return torch.nn.functional.linear(self.output(), weight, bias)
         x = self.x if narrow is None else narrow
         out = dropout_linear_ops.apply(x, weight, self.key_data, p=self.p, impl=self.impl)
         return out if bias is None else out + bias
+
+    def _linear_of_shards(self, weight) -> torch.Tensor | None:
+        """``F.linear(self.output(), weight)`` of DTensors, each rank's block in fused kernels on
+        its shards where the placements let it (:func:`dtensors.linear_placements`): one per
+        run of the block's rows (:func:`dtensors.row_runs`), padded before to a row its part of
+        the mask can start at (:func:`kernels.dropout_linear.row_tile`); else ``None``."""
+        x, shape = self.x, tuple(self.x.shape)
+        placements = dtensors.linear_placements(x, weight)
+        if (placements is None or weight.dtype != x.dtype or x.dtype not in _checks.FLOAT_DTYPES
+                or not dropout_linear_kernels.takes(shape, self.impl)):
+            return None
+        runs = dtensors.row_runs(x)
+        if runs is None:
+            return None
+        rows, first_rows = runs
+        tile = dropout_linear_kernels.row_tile(shape, self.impl)
+
+        def linear_of_block(x, weight):
+            if x.numel() == 0:
+                return torch.nn.functional.linear(x, weight)
+            outputs = []
+            for run, first_row in zip(x.reshape(len(first_rows), rows, shape[-1]), first_rows):
+                before = first_row % tile
+                out = dropout_linear_ops.apply(torch.nn.functional.pad(run, (0, 0, before, 0)), weight, self.key_data,
+                                               p=self.p, impl=self.impl, global_shape=shape,
+                                               first_row=first_row - before)
+                outputs.append(out[before:])
+            return torch.cat(outputs).reshape(*x.shape[:-1], weight.shape[0])
+
+        return dtensors.on_local_shards(linear_of_block, x.device_mesh, placements,
+                                        [(placements, (*shape[:-1], weight.shape[0]))], x, weight)
 
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
         """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
@@ -321,8 +356,9 @@ def dropout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     own view of ``x`` (with the per-tile impls, ``"tiled"`` and ``"hardware"``: ``K`` a multiple
     of 128, at least 8 rows, and not a 3-D ``(B, L, C)`` whose ``L`` is not a multiple of 8 while
     ``B`` is). Any other pair :func:`torch.nn.functional.linear` takes is computed as
-    ``F.linear(dropout(x, p), weight, bias)``: the same values and mask; so are DTensors
-    (:ref:`DTensors <dtensors>`).
+    ``F.linear(dropout(x, p), weight, bias)``: the same values and mask. DTensors run the kernel
+    on each rank's shards where ``x``'s rows or the weight's output features are split (and
+    otherwise unfused; :ref:`DTensors <dtensors>`).
 
     Args:
         x (Tensor): what is dropped, as for :func:`dropout`: ``(..., K)``.
@@ -563,8 +599,8 @@ def _indrnn_of_dtensors(x, weight, h0, *, nonlinearity: str, batch_first: bool, 
         return indrnn_under_sharding(x, weight, h0, nonlinearity=nonlinearity, batch_first=batch_first,
                                      lengths=lengths, sharding=None)
 
-    return dtensors.on_local_shards(local_indrnn, x, [(x.placements, x.shape), (state_placements, state_shape)],
-                                    *inputs)
+    return dtensors.on_local_shards(local_indrnn, x.device_mesh, x.placements,
+                                    [(x.placements, x.shape), (state_placements, state_shape)], *inputs)
 
 
 def indrnn_under_sharding(x: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None, *, nonlinearity: str,

@@ -54,9 +54,7 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             "dropout_add-partial": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Partial()]),
             "dropout2d-channels": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(1)]),
             "dropout2d-spatial": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(2)]),
-            # (torch's own matmul and linear of DTensors split along a dim they flatten raise; Shard(0))
-            "dropout_linear-batch": dict(op="dropout_linear", impl="tiled", shape=BANDS, other=(32, 128),
-                                         placements=[Shard(0)]),
+            # (torch's own matmul of DTensors split along a dim it flattens raises; Shard(0))
             "dropout_matmul-batch-threefry": dict(op="dropout_matmul", impl="threefry", shape=(4, 2, 16, 16),
                                                   other=(4, 2, 16, 8), placements=[Shard(0)]),
             "dropout_matmul-batch-tiled-refused": dict(op="dropout_matmul", impl="tiled", shape=(4, 2, 16, 16),
@@ -71,6 +69,32 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
         for name, case in more.items():
             CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
 
+
+# dropout_linear: (x's shape and placements on a mesh of 2, the weight's, the bias's or None, impl, the
+# output's, fused, what is bit for bit). Fused, each rank's rows run in the kernel, a run per
+# sequence for a split along the sequence, padded to the rows its mask starts at.
+LINEARS = {
+    "rows": (BANDS, [Shard(0)], [Replicate()], None, "tiled", [Shard(0)], True, ("output", "x")),
+    "sequence-uneven-threefry": ((3, 25, 128), [Shard(1)], [Replicate()], None, "threefry", [Shard(1)], True,
+                                 ("output", "x")),
+    "sequence-uneven": ((3, 25, 128), [Shard(1)], [Replicate()], None, "tiled", [Shard(1)], True, ("output", "x")),
+    "columns-tensor-parallel-bias": (BANDS, [Replicate()], [Shard(0)], [Shard(0)], "tiled", [Shard(2)], True,
+                                     ("weight",)),
+    "features-row-parallel-unfused": (BANDS, [Shard(2)], [Shard(1)], None, "tiled", [Partial()], False, ()),
+}
+for name, (shape, placements, weight_placements, bias, impl, out_placements, fused, exact) in LINEARS.items():
+    CASES[2][f"dropout_linear-{name}-mesh(2,)"] = dict(
+        op="dropout_linear", shape=shape, weight=(32, 128), placements=placements, weight_placements=weight_placements,
+        impl=impl, out_placements=out_placements, fused=fused, exact=exact, mesh=(2,),
+        **({} if bias is None else dict(bias_placements=bias)))
+CASES[4]["dropout_linear-rows-of-tiles-mesh(4,)"] = dict(
+    op="dropout_linear", shape=(4, 256, 128), weight=(32, 128), placements=[Shard(0)],
+    weight_placements=[Replicate()], impl="tiled", out_placements=[Shard(0)], fused=True, exact=("output", "x"),
+    mesh=(4,))
+CASES[4]["dropout_linear-rows-and-columns-mesh(2, 2)"] = dict(
+    op="dropout_linear", shape=BANDS, weight=(32, 128), placements=[Shard(0), Replicate()],
+    weight_placements=[Replicate(), Shard(0)], impl="tiled", out_placements=[Shard(0), Shard(2)], fused=True,
+    exact=("output",), mesh=(2, 2))
 
 HEADS, GQA_HEADS = (4, 4, 32, 16), (4, 2, 32, 16)
 for world, mesh, placements, kv_shape, impl in (

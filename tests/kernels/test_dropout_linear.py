@@ -100,3 +100,30 @@ def test_a_16_bit_x_with_a_float32_weight_is_x_widened(dtype):
     np.testing.assert_array_equal(np.asarray(grad_w), np.asarray(wide_grad_w))
     with pytest.raises(TypeError, match="float32 for a 16-bit x"):
         dropout_linear.dropout_linear_forward(KEY, x, weight.astype(jnp.bfloat16), p=0.3, interpret=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_block_of_rows_gets_its_part_of_the_whole_mask(impl):
+    """Rows from first_row on of a tensor of global_shape (a DTensor's shard): the whole call's
+    rows bit for bit, the output and x's gradient, from a row the per-tile impls' tiles start
+    at; a row inside a tile raises."""
+    x, weight, grad_out = _case((4, 256, 128), 16, jnp.float32)
+    rows, grads = x.reshape(-1, 128), grad_out.reshape(-1, 16)
+    whole = dropout_linear.dropout_linear_forward(KEY, rows, weight, p=0.3, impl=impl, interpret=True)
+    whole_grad_x, _ = dropout_linear.dropout_linear_backward(KEY, rows, weight, grads, p=0.3, impl=impl,
+                                                             interpret=True)
+    tile = dropout_linear.row_tile(x.shape, impl)
+    assert tile == (512 if impl == "tiled" else 1)
+    first, count = (512, 300) if impl == "tiled" else (37, 300)
+    block = dict(global_shape=x.shape, first_row=first)
+    out = dropout_linear.dropout_linear_forward(KEY, rows[first:first + count], weight, p=0.3, impl=impl,
+                                                interpret=True, **block)
+    grad_x, _ = dropout_linear.dropout_linear_backward(KEY, rows[first:first + count], weight,
+                                                       grads[first:first + count], p=0.3, impl=impl, interpret=True,
+                                                       **block)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(whole[first:first + count]))
+    np.testing.assert_array_equal(np.asarray(grad_x), np.asarray(whole_grad_x[first:first + count]))
+    if impl == "tiled":
+        with pytest.raises(ValueError, match="takes_rows"):
+            dropout_linear.dropout_linear_forward(KEY, rows[8:16], weight, p=0.3, impl=impl, interpret=True,
+                                                  global_shape=x.shape, first_row=8)

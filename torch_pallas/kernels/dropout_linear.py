@@ -76,13 +76,14 @@ def takes(x_shape, impl: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(M: int, K: int, impl: str, interpret: bool):
-    """(block rows, block cols, chunk rows, chunk cols) over the ``(M, K)`` rows: a per-tile
-    impl's chunk is one tile of :func:`tiling.hardware_tile` (the dropout's seed tile) and
-    blocks are whole tiles; threefry's chunk is a few vregs, and its blocks whole chunks (or
-    all of ``K`` where no 128-lane multiple divides it)."""
+def _layout(M: int, K: int, impl: str, interpret: bool, global_rows: int):
+    """(block rows, block cols, chunk rows, chunk cols) over the ``(M, K)`` rows, a block of
+    the ``(global_rows, K)`` rows of a whole tensor: a per-tile impl's chunk is one tile of
+    :func:`tiling.hardware_tile` of the whole tensor's rows (the dropout's seed tile) and blocks
+    are whole tiles; threefry's chunk is a few vregs, and its blocks whole chunks (or all of
+    ``K`` where no 128-lane multiple divides it)."""
     if prng.per_tile(impl):
-        chunk_rows, chunk_cols = tiling.hardware_tile(M, K)
+        chunk_rows, chunk_cols = tiling.hardware_tile(global_rows, K)
     else:
         chunk_cols = next((c for c in (1024, 512, 256, tiling.LANES) if K % c == 0), K)
         chunk_rows = min(_THREEFRY_CHUNK[0], tiling.round_up(M, tiling.SUBLANES))
@@ -97,16 +98,37 @@ def _layout(M: int, K: int, impl: str, interpret: bool):
     return block_rows, block_cols, chunk_rows, chunk_cols
 
 
-def _checked(key_data, x, weight, p, impl, interpret):
+def row_tile(global_shape, impl: str) -> int:
+    """What the first row of a block of the rows of a tensor of ``global_shape`` must be a
+    multiple of for the kernels to draw its part of the tensor's mask: the seed tile's rows
+    (:func:`tiling.hardware_tile`) for a per-tile impl, any row for threefry."""
+    return tiling.hardware_tile(*_rows(global_shape))[0] if prng.per_tile(impl) else 1
+
+
+def takes_rows(x_shape, global_shape, first_row: int, impl: str) -> bool:
+    """Whether the kernels draw, for ``x`` the ``(M, K)`` rows from ``first_row`` on of the rows
+    of a tensor of ``global_shape``, their part of that tensor's mask: the whole tensor's rows
+    :func:`takes` for ``impl``, and ``first_row`` a multiple of :func:`row_tile`."""
+    M, K = _rows(x_shape)
+    global_rows, global_K = _rows(global_shape)
+    return (K == global_K and M > 0 and 0 <= first_row <= global_rows - M and takes(global_shape, impl)
+            and first_row % row_tile(global_shape, impl) == 0)
+
+
+def _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row):
     p = arguments.check_probability(p)
     prng.check_can_run(impl, interpret)
     check_shapes(x.shape, weight.shape)
     if weight.dtype != x.dtype and not widens(x.dtype, weight.dtype):
         raise TypeError(f"weight must have x's dtype {x.dtype} (or float32 for a 16-bit x, taken as "
                         f"x.to(float32)), got {weight.dtype}")
-    if not takes(x.shape, impl):
+    if global_shape is None and not takes(x.shape, impl):
         raise ValueError(f"impl={impl!r} does not draw the mask of x of shape {tuple(x.shape)} over its (M, K) rows "
                          "(see dropout_linear.takes): run dropout and the product apart")
+    if global_shape is not None and not takes_rows(x.shape, global_shape, first_row, impl):
+        raise ValueError(f"impl={impl!r} does not draw, for x of shape {tuple(x.shape)} at row {first_row} of the "
+                         f"rows of a tensor of shape {tuple(global_shape)}, its part of that tensor's mask (see "
+                         "dropout_linear.takes_rows): run dropout and the product apart")
     return p, prng.key_words(key_data, impl)
 
 
@@ -145,7 +167,8 @@ def _walk(block, chunk, body):
         lax.fori_loop(0, row_chunks, step, 0)
 
 
-def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_probability, K, chunk, interpret):
+def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_probability, K, chunk, first_row,
+                    interpret):
     i, k = pl.program_id(0), pl.program_id(1)
     block = x_ref.shape
 
@@ -154,8 +177,8 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def body(row, col):
-        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, i * block[0] + row, k * block[1] + col,
-                                     impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, first_row + i * block[0] + row,
+                                     k * block[1] + col, impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
         dropped = kept_values(keep, x, keep_probability).astype(x.dtype)
         acc_ref[rows, :] += _dot(dropped, w_ref[cols, :], interpret)
 
@@ -166,7 +189,8 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool):
+def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
+                           global_shape=None, first_row: int = 0):
     """``dropout(x, p) @ weight.T`` in one kernel (see the module docstring).
 
     Args:
@@ -176,6 +200,9 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
         p: drop probability in [0, 1].
         impl: ``"threefry"``, ``"tiled"`` or ``"hardware"`` (compiled on TPU only).
         interpret: run Pallas in interpret mode (any platform) or compiled (TPU).
+        global_shape, first_row: ``x`` is the rows from ``first_row`` on of the ``(M, K)``
+            rows of a tensor of ``global_shape`` (a DTensor's local shard), and is dropped with
+            its part of that tensor's mask (:func:`takes_rows`).
 
     Returns:
         ``(..., N)`` in the weight's dtype.
@@ -187,17 +214,17 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
     """
     if x.dtype == jnp.float16:
         wide_x, wide_w = tiling.widen_float16(x, weight)
-        return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl,
-                                      interpret=interpret).astype(weight.dtype)
-    p, words = _checked(key_data, x, weight, p, impl, interpret)
+        return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl, interpret=interpret,
+                                      global_shape=global_shape, first_row=first_row).astype(weight.dtype)
+    p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
     M, K = _rows(x.shape)
     N = weight.shape[0]
-    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
+    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
     grid = (pl.cdiv(M, block_rows), K // block_cols)
     x2 = x.reshape(M, K)
     out_shape = jax.ShapeDtypeStruct((M, N), weight.dtype)
     kernel = functools.partial(_forward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), K=K,
-                               chunk=tuple(chunk), interpret=interpret)
+                               chunk=tuple(chunk), first_row=first_row, interpret=interpret)
     out = calls.pallas_call(
         kernel,
         name=calls.kernel_name("dropout_linear", "fwd", impl, blocks=(block_rows, block_cols)),
@@ -218,7 +245,7 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
 
 
 def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, impl, keep_probability, M, K, chunk,
-                     interpret):
+                     first_row, interpret):
     k, i = pl.program_id(0), pl.program_id(1)
     block = x_ref.shape
 
@@ -229,7 +256,7 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
 
     def body(row, col):
         row0 = i * block[0] + row
-        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, row0, k * block[1] + col,
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, first_row + row0, k * block[1] + col,
                                      impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
         g = g_ref[rows, :]
         grad_dropped = _dot(g, w_ref[:, cols], interpret).astype(x.dtype)
@@ -246,7 +273,7 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
 
 
 def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
-                            interpret: bool):
+                            interpret: bool, global_shape=None, first_row: int = 0):
     """The gradients of :func:`dropout_linear_forward` with respect to ``x`` and ``weight``,
     given the same key and options and the output's gradient ``(..., N)``, in one kernel that
     regenerates the mask.
@@ -258,18 +285,18 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     if x.dtype == jnp.float16:
         wide_x, wide_w, wide_g = tiling.widen_float16(x, weight, grad_out)
         grad_x, grad_w = dropout_linear_backward(key_data, wide_x, wide_w, wide_g, p=p, impl=impl,
-                                                 interpret=interpret)
+                                                 interpret=interpret, global_shape=global_shape, first_row=first_row)
         return grad_x.astype(x.dtype), grad_w
-    p, words = _checked(key_data, x, weight, p, impl, interpret)
+    p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
     M, K = _rows(x.shape)
     N = weight.shape[0]
-    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret)
+    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
     # The weight's gradient sums over every row: the rows are the inner, sequential axis.
     grid = (K // block_cols, pl.cdiv(M, block_rows))
     x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(weight.dtype)
     out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((N, K), jnp.float32))
     kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
-                               K=K, chunk=tuple(chunk), interpret=interpret)
+                               K=K, chunk=tuple(chunk), first_row=first_row, interpret=interpret)
     grad_x, grad_w = calls.pallas_call(
         kernel,
         name=calls.kernel_name("dropout_linear", "bwd", impl, blocks=(block_rows, block_cols)),

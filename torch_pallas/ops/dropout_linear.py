@@ -6,6 +6,8 @@ transforms, ``torch.compile``)."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from torch_pallas import bridge
@@ -13,29 +15,36 @@ from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout_linear as dropout_linear_kernels
 
 
-def _compute_dropout_linear(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, p: float,
-                            impl: str) -> torch.Tensor:
+def _compute_dropout_linear(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+                            global_shape: Optional[Sequence[int]] = None, first_row: int = 0) -> torch.Tensor:
     """``dropout(x, p) @ weight.T`` (``x (..., K)`` whose rows the kernels take for ``impl``,
     ``weight (N, K)`` of its dtype, or float32 for a 16-bit ``x`` taken as ``x.to(float32)``;
-    pre-checked), in the weight's dtype."""
+    pre-checked), in the weight's dtype. ``global_shape``: ``x`` is the rows from ``first_row``
+    on of a tensor of that shape (a DTensor's local shard), dropped with its part of that
+    tensor's mask."""
     return bridge.call(dropout_linear_kernels.dropout_linear_forward, key_data, x.contiguous(), weight.contiguous(),
-                       p=p, impl=impl)
+                       p=p, impl=impl, global_shape=None if global_shape is None else tuple(global_shape),
+                       first_row=first_row)
 
 
 dropout_linear = torch.library.custom_op("torch_pallas::dropout_linear", _compute_dropout_linear, mutates_args=())
 
 
 @dropout_linear.register_fake
-def _(x, weight, key_data, p, impl):
+def _(x, weight, key_data, p, impl, global_shape=None, first_row=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
 
 
 def _compute_dropout_linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                     key_data: torch.Tensor, p: float, impl: str) -> list[torch.Tensor]:
+                                     key_data: torch.Tensor, p: float, impl: str,
+                                     global_shape: Optional[Sequence[int]] = None,
+                                     first_row: int = 0) -> list[torch.Tensor]:
     """The gradients of :func:`dropout_linear` for ``x`` and ``weight`` (its dtype, summed in
     float32 and rounded once)."""
     grad_x, grad_weight = bridge.call(dropout_linear_kernels.dropout_linear_backward, key_data, x.contiguous(),
-                                      weight.contiguous(), grad_out.contiguous(), p=p, impl=impl)
+                                      weight.contiguous(), grad_out.contiguous(), p=p, impl=impl,
+                                      global_shape=None if global_shape is None else tuple(global_shape),
+                                      first_row=first_row)
     return [grad_x, grad_weight.to(weight.dtype)]
 
 
@@ -45,27 +54,29 @@ dropout_linear_backward = _autograd.direct(dropout_linear_backward_op, _compute_
 
 
 @dropout_linear_backward_op.register_fake
-def _(grad_out, x, weight, key_data, p, impl):
+def _(grad_out, x, weight, key_data, p, impl, global_shape=None, first_row=0):
     return [torch.empty_like(x), torch.empty_like(weight)]
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, key_data, ctx.p, ctx.impl = inputs
+    x, weight, key_data, ctx.p, ctx.impl, ctx.global_shape, ctx.first_row = inputs
     # x, not the dropped x: consumers of one x (q, k and v) share what autograd keeps.
     ctx.save_for_backward(x, weight, key_data)
 
 
 def _backward(ctx, grad_out):
     x, weight, key_data = ctx.saved_tensors
-    grad_x, grad_weight = dropout_linear_backward(grad_out, x, weight, key_data, ctx.p, ctx.impl)
-    return grad_x, grad_weight, None, None, None
+    grad_x, grad_weight = dropout_linear_backward(grad_out, x, weight, key_data, ctx.p, ctx.impl, ctx.global_shape,
+                                                  ctx.first_row)
+    return grad_x, grad_weight, None, None, None, None, None
 
 
 _apply = _autograd.differentiable(dropout_linear, _compute_dropout_linear, public_name="torch_pallas.dropout_linear",
                                   setup_context=_setup_context, backward=_backward)
 
 
-def apply(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str) -> torch.Tensor:
+def apply(x: torch.Tensor, weight: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
+          global_shape: Optional[Sequence[int]] = None, first_row: int = 0) -> torch.Tensor:
     """The op :data:`dropout_linear`, differentiable under autograd, ``torch.func``'s reverse
     mode and ``torch.compile``."""
-    return _apply(x, weight, key_data, p, impl)
+    return _apply(x, weight, key_data, p, impl, global_shape, first_row)
