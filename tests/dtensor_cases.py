@@ -62,8 +62,7 @@ def assert_block(got, whole, mesh, placements, what, exact=True, atol=1e-5):
 def run_case(case: dict, mesh) -> None:
     """One case: an op (``op``: name), a global shape, dtype, placements, impl."""
     import torch_pallas
-    from torch.distributed.tensor import Partial, Replicate
-    from torch_pallas import bridge
+    from torch.distributed.tensor import Partial
 
     op, shape, placements, impl = case["op"], case["shape"], case["placements"], case.get("impl")
     dtype = case.get("dtype", torch.float32)
@@ -97,27 +96,11 @@ def run_case(case: dict, mesh) -> None:
     elif op == "dropout2d":
         def call(t):
             return torch_pallas.dropout2d(t, 0.3, seed=SEED, **options)
-    elif op == "dropout_matmul":
-        # The other operand, replicated (its gradient, all-reduced by torch, is not checked here).
-        other = distributed(torch.randn(case["other"], generator=generator).to(dtype), mesh,
-                            [Replicate()] * mesh.ndim)
-
-        def call(t):
-            if bridge.is_dtensor(t):
-                return getattr(torch_pallas, op)(t, other, p=0.3, seed=SEED, **options)
-            return getattr(torch_pallas, op)(t, other.full_tensor(), p=0.3, seed=SEED, **options)
     else:
         raise ValueError(op)
     if case.get("compiled"):
         call = torch.compile(call, fullgraph=True)
 
-    if "raises" in case:
-        try:
-            call(distributed(x, mesh, placements))
-        except ValueError as error:
-            assert case["raises"] in str(error), error
-            return
-        raise AssertionError(f"no ValueError ({case['raises']})")
     # Ranks draw alike: every one's generator is seeded alike before each call (what a user does).
     whole_x = x.clone().requires_grad_()
     whole_residual = residual.clone().requires_grad_()
@@ -129,54 +112,62 @@ def run_case(case: dict, mesh) -> None:
     torch.manual_seed(SEED)
     out = call(sharded_x, sharded_residual) if op == "dropout_add" else call(sharded_x)
     out.backward(distributed(whole_grad(whole, grad), mesh, out.placements))
-    # The products, of the dropped x, sum in another order than the fused kernels' on a whole tensor.
-    exact = op != "dropout_matmul"
-    assert_block(out, whole.detach(), mesh, out.placements, "output", exact)
-    assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient", exact)
+    assert_block(out, whole.detach(), mesh, out.placements, "output")
+    assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient")
     if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in placements):
         # (a Partial residual's gradient is torch's business: its add reduces it to a Replicate one)
         assert_block(sharded_residual.grad, whole_residual.grad, mesh, placements, "residual's gradient")
 
 
-def run_linear_case(case: dict, mesh) -> None:
-    """torch_pallas.dropout_linear of an x and a weight (and a bias) DTensors: the fused kernel on
-    each rank's shards where ``fused`` (counted), else dropout then torch's linear of DTensors;
-    each rank's output and gradients = the blocks of the unsharded call, bit for bit those named
-    in ``exact`` (the fused kernel's own rows; a sum over ranks, or torch's products, within
-    float32 tolerance)."""
+def run_product_case(case: dict, mesh) -> None:
+    """torch_pallas.dropout_linear or dropout_matmul (``op``) of DTensors (``operands``: name,
+    global shape and placements each, in the op's order): the fused kernel on each rank's shards
+    where ``fused`` (its calls counted), else dropout then torch's product of DTensors; each
+    rank's output and gradients = the blocks of the unsharded call, bit for bit those named in
+    ``exact`` (the fused kernel's own rows and planes; a sum over ranks, or torch's products,
+    within float32 tolerance)."""
+    import importlib
+
     import torch_pallas
     from torch.distributed.tensor import Partial
-    from torch_pallas.ops import dropout_linear as dropout_linear_ops
 
     generator = torch.Generator().manual_seed(0)
-    x_shape, (N, K) = case["shape"], case["weight"]
-    tensors = {"x": torch.randn(x_shape, generator=generator), "weight": torch.randn(N, K, generator=generator)}
-    placements = {"x": case["placements"], "weight": case["weight_placements"]}
-    if "bias_placements" in case:
-        tensors["bias"], placements["bias"] = torch.randn(N, generator=generator), case["bias_placements"]
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape, _ in case["operands"]}
+    placements = {name: where for name, _, where in case["operands"]}
+    function = getattr(torch_pallas, case["op"])
     options = dict(p=0.3, seed=SEED, impl=case["impl"])
+    if "raises" in case:
+        try:
+            function(*(distributed(tensor, mesh, placements[name]) for name, tensor in tensors.items()), **options)
+        except ValueError as error:
+            assert case["raises"] in str(error), error
+            return
+        raise AssertionError(f"no ValueError ({case['raises']})")
     whole_inputs = {name: tensor.clone().requires_grad_() for name, tensor in tensors.items()}
-    whole = torch_pallas.dropout_linear(**whole_inputs, **options)
+    whole = function(*whole_inputs.values(), **options)
     grad = torch.randn(whole.shape, generator=generator)
     whole.backward(grad)
     sharded = {name: distributed(tensor, mesh, placements[name]).requires_grad_() for name, tensor in tensors.items()}
-    calls = []
-    apply = dropout_linear_ops.apply
-    dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
+    ops = importlib.import_module(f"torch_pallas.ops.{case['op']}")
+    calls, apply = [], ops.apply
+    ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
     try:
-        out = torch_pallas.dropout_linear(**sharded, **options)
+        out = function(*sharded.values(), **options)
     finally:
-        dropout_linear_ops.apply = apply
+        ops.apply = apply
     assert bool(calls) == case["fused"], f"fused kernel calls: {calls}"
     assert tuple(out.placements) == tuple(case["out_placements"]), out.placements
-    partial = any(isinstance(placement, Partial) for placement in out.placements)
     out.backward(distributed(grad, mesh, out.placements))
     exact = case.get("exact", ())
-    if partial:  # (each rank's product of its features: compared summed)
+    if any(isinstance(placement, Partial) for placement in out.placements):
+        # (each rank's product of its features: compared summed)
         torch.testing.assert_close(out.full_tensor(), whole.detach(), rtol=1e-5, atol=1e-4)
     else:
         assert_block(out, whole.detach(), mesh, out.placements, "output", "output" in exact, atol=1e-4)
     for name, tensor in sharded.items():
+        if not case["fused"]:  # (torch's DTensor autograd places the gradients as it sees fit)
+            torch.testing.assert_close(tensor.grad.full_tensor(), whole_inputs[name].grad, rtol=1e-5, atol=1e-4)
+            continue
         assert_block(tensor.grad, whole_inputs[name].grad, mesh, placements[name], f"{name}'s gradient", name in exact,
                      atol=1e-4)
 
@@ -239,7 +230,8 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
                       "gpt": run_gpt_case, "attention": run_attention_case,
-                      "indrnn": run_indrnn_case, "dropout_linear": run_linear_case}.get(case["op"], run_case)
+                      "indrnn": run_indrnn_case, "dropout_linear": run_product_case,
+                      "dropout_matmul": run_product_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
                 outcome[name] = None

@@ -177,7 +177,20 @@ class DrawnDropout(NamedTuple):
                                         [(placements, (*shape[:-1], weight.shape[0]))], x, weight)
 
     def multiplied_by(self, value: torch.Tensor) -> torch.Tensor:
-        """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so."""
+        """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so, or on each
+        rank's shards of DTensors split over batch dims (:func:`matmul_of_shards_fuses`)."""
+        if self.key_data is not None and matmul_of_shards_fuses(self, value):
+            weights = self.x
+            local_shape, offset = dtensors.local_block(tuple(weights.shape), weights.device_mesh, weights.placements)
+            batch = tuple(weights.shape[:-2])
+
+            def matmul_of_block(weights, value):
+                return dropout_matmul_ops.apply(weights, value, self.key_data, p=self.p, impl=self.impl,
+                                                global_batch=batch, global_offset=dtensors.flat_offset(offset[:-2], batch))
+
+            return dtensors.on_local_shards(matmul_of_block, weights.device_mesh, weights.placements,
+                                            [(weights.placements, (*weights.shape[:-1], value.shape[-1]))], weights,
+                                            value)
         if self.key_data is not None and fuses_matmul(self, value):
             return dropout_matmul_ops.apply(self.x, value, self.key_data, p=self.p, impl=self.impl)
         return torch.matmul(self.output(), value)
@@ -192,6 +205,24 @@ def fuses_matmul(drawn: DrawnDropout, value) -> bool:
             and not bridge.is_dtensor(weights) and not bridge.is_dtensor(value)
             and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.sharding_text is None
             and sharding.resolve(value) is None):
+        return False
+    try:
+        check_matmul_shapes(weights.shape, value.shape)
+    except ValueError:
+        return False
+    return True
+
+
+def matmul_of_shards_fuses(drawn: DrawnDropout, value) -> bool:
+    """Whether ``drawn``'s output times ``value``, DTensors, runs as a dropout_matmul kernel on
+    each rank's shards: :func:`fuses_matmul`'s pair, placed alike, split over batch dims only."""
+    weights = drawn.x
+    if not (bridge.is_dtensor(weights) and bridge.is_dtensor(value) and value.device_mesh == weights.device_mesh
+            and value.placements == weights.placements and value.dtype == weights.dtype
+            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
+            and all(isinstance(placement, dtensors.Replicate) or (type(placement) is dtensors.Shard
+                                                                  and placement.dim % weights.dim() < weights.dim() - 2)
+                    for placement in weights.placements)):
         return False
     try:
         check_matmul_shapes(weights.shape, value.shape)
@@ -298,8 +329,9 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
 
     One kernel runs for weights ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` with the
     same batch dims, of one dtype among float32, bfloat16 and float16, not split by SPMD
-    sharding. Any other pair :func:`torch.matmul` takes is computed as ``dropout(weights, p)
-    @ value``, :func:`dropout`'s kernel and then the product; so is a DTensor pair
+    sharding, or DTensors placed alike and split over batch dims only (the kernel on each rank's
+    planes). Any other pair :func:`torch.matmul` takes is computed as ``dropout(weights, p)
+    @ value``, :func:`dropout`'s kernel and then the product; so is any other DTensor pair
     (:ref:`DTensors <dtensors>`), with ``impl="threefry"`` only.
 
     Args:
@@ -316,7 +348,7 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
         TypeError: as :func:`dropout`, and a ``value`` that is not a tensor of ``weights``'
             dtype.
         ValueError: as :func:`dropout`, a ``value`` on another device than ``weights``, and
-            DTensors with the per-tile impls.
+            DTensors the kernel does not take with the per-tile impls.
 
     Example::
 
@@ -330,10 +362,13 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     if value.device != weights.device:
         raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
     drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
-    if drawn is not None and bridge.is_dtensor(weights) and prng.per_tile(drawn.impl):
-        raise ValueError(f'dropout_matmul of a DTensor runs as dropout, then matmul, whose mask with impl="{drawn.impl}" '
-                         "is not the fused kernel's (that one is drawn per tile of each L x S plane): pass "
-                         'impl="threefry", whose masks are the same')
+    if (drawn is not None and drawn.key_data is not None and bridge.is_dtensor(weights)
+            and prng.per_tile(drawn.impl) and not matmul_of_shards_fuses(drawn, value)):
+        raise ValueError(f"dropout_matmul of DTensors runs the fused kernel on each rank's shards when weights "
+                         f"(*batch, L, S) and value (*batch, S, Ev) are placed alike, split over batch dims only; "
+                         f'other DTensors run as dropout, then matmul, whose mask with impl="{drawn.impl}" is not '
+                         "the fused kernel's (that one is drawn per tile of each L x S plane): redistribute them, "
+                         'or pass impl="threefry", whose masks are the same')
     return torch.matmul(weights, value) if drawn is None else drawn.multiplied_by(value)
 
 

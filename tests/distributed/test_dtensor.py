@@ -54,12 +54,6 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             "dropout_add-partial": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Partial()]),
             "dropout2d-channels": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(1)]),
             "dropout2d-spatial": dict(op="dropout2d", impl="tiled", shape=(4, 6, 8, 8), placements=[Shard(2)]),
-            # (torch's own matmul of DTensors split along a dim it flattens raises; Shard(0))
-            "dropout_matmul-batch-threefry": dict(op="dropout_matmul", impl="threefry", shape=(4, 2, 16, 16),
-                                                  other=(4, 2, 16, 8), placements=[Shard(0)]),
-            "dropout_matmul-batch-tiled-refused": dict(op="dropout_matmul", impl="tiled", shape=(4, 2, 16, 16),
-                                                       other=(4, 2, 16, 8), placements=[Shard(0)],
-                                                       raises='pass impl="threefry"'),
             "sequence-parallel-converted-block": dict(op="sequence_parallel", shape=BANDS),
             "colwise-parallel-converted-block": dict(op="colwise", shape=BANDS),
         }
@@ -70,31 +64,46 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             CASES[world][f"{name}-mesh{mesh}"] = dict(case, mesh=mesh)
 
 
-# dropout_linear: (x's shape and placements on a mesh of 2, the weight's, the bias's or None, impl, the
-# output's, fused, what is bit for bit). Fused, each rank's rows run in the kernel, a run per
-# sequence for a split along the sequence, padded to the rows its mask starts at.
-LINEARS = {
-    "rows": (BANDS, [Shard(0)], [Replicate()], None, "tiled", [Shard(0)], True, ("output", "x")),
-    "sequence-uneven-threefry": ((3, 25, 128), [Shard(1)], [Replicate()], None, "threefry", [Shard(1)], True,
-                                 ("output", "x")),
-    "sequence-uneven": ((3, 25, 128), [Shard(1)], [Replicate()], None, "tiled", [Shard(1)], True, ("output", "x")),
-    "columns-tensor-parallel-bias": (BANDS, [Replicate()], [Shard(0)], [Shard(0)], "tiled", [Shard(2)], True,
-                                     ("weight",)),
-    "features-row-parallel-unfused": (BANDS, [Shard(2)], [Shard(1)], None, "tiled", [Partial()], False, ()),
+# dropout_linear and dropout_matmul: (operands' shapes and placements on a mesh of 2, impl, the
+# output's placements, fused, what is bit for bit). Fused, each rank's rows (linear: a kernel per
+# sequence for a split along it, padded to the rows its mask starts at) or planes run in the kernel.
+X, WEIGHT, WEIGHTS, VALUE = "x", "weight", "weights", "value"
+PRODUCTS = {
+    "dropout_linear-rows": ({X: (BANDS, [Shard(0)]), WEIGHT: ((32, 128), [Replicate()])}, "tiled", [Shard(0)], True,
+                            ("output", X)),
+    "dropout_linear-sequence-uneven-threefry": ({X: ((3, 25, 128), [Shard(1)]), WEIGHT: ((32, 128), [Replicate()])},
+                                                "threefry", [Shard(1)], True, ("output", X)),
+    "dropout_linear-sequence-uneven": ({X: ((3, 25, 128), [Shard(1)]), WEIGHT: ((32, 128), [Replicate()])}, "tiled",
+                                       [Shard(1)], True, ("output", X)),
+    "dropout_linear-columns-tensor-parallel-bias": ({X: (BANDS, [Replicate()]), WEIGHT: ((32, 128), [Shard(0)]),
+                                                     "bias": ((32,), [Shard(0)])}, "tiled", [Shard(2)], True,
+                                                    (WEIGHT,)),
+    "dropout_linear-features-row-parallel-unfused": ({X: (BANDS, [Shard(2)]), WEIGHT: ((32, 128), [Shard(1)])},
+                                                     "tiled", [Partial()], False, ()),
+    "dropout_matmul-batch-threefry": ({WEIGHTS: ((4, 2, 16, 16), [Shard(0)]), VALUE: ((4, 2, 16, 8), [Shard(0)])},
+                                      "threefry", [Shard(0)], True, ("output", WEIGHTS, VALUE)),
+    "dropout_matmul-heads-uneven": ({WEIGHTS: ((2, 3, 16, 128), [Shard(1)]), VALUE: ((2, 3, 128, 8), [Shard(1)])},
+                                    "tiled", [Shard(1)], True, ("output", WEIGHTS, VALUE)),
+    "dropout_matmul-replicated-value-threefry-unfused": (
+        {WEIGHTS: ((4, 2, 16, 16), [Shard(0)]), VALUE: ((4, 2, 16, 8), [Replicate()])}, "threefry", [Shard(0)],
+        False, ()),
 }
-for name, (shape, placements, weight_placements, bias, impl, out_placements, fused, exact) in LINEARS.items():
-    CASES[2][f"dropout_linear-{name}-mesh(2,)"] = dict(
-        op="dropout_linear", shape=shape, weight=(32, 128), placements=placements, weight_placements=weight_placements,
-        impl=impl, out_placements=out_placements, fused=fused, exact=exact, mesh=(2,),
-        **({} if bias is None else dict(bias_placements=bias)))
+for name, (operands, impl, out_placements, fused, exact) in PRODUCTS.items():
+    CASES[2][f"{name}-mesh(2,)"] = dict(op=name.split("-")[0], operands=[(n, *o) for n, o in operands.items()],
+                                        impl=impl, out_placements=out_placements, fused=fused, exact=exact, mesh=(2,))
+CASES[2]["dropout_matmul-rows-tiled-refused-mesh(2,)"] = dict(
+    op="dropout_matmul", operands=[(WEIGHTS, (4, 2, 16, 16), [Shard(2)]), (VALUE, (4, 2, 16, 8), [Replicate()])],
+    impl="tiled", raises='pass impl="threefry"', mesh=(2,))
 CASES[4]["dropout_linear-rows-of-tiles-mesh(4,)"] = dict(
-    op="dropout_linear", shape=(4, 256, 128), weight=(32, 128), placements=[Shard(0)],
-    weight_placements=[Replicate()], impl="tiled", out_placements=[Shard(0)], fused=True, exact=("output", "x"),
-    mesh=(4,))
+    op="dropout_linear", operands=[(X, (4, 256, 128), [Shard(0)]), (WEIGHT, (32, 128), [Replicate()])], impl="tiled",
+    out_placements=[Shard(0)], fused=True, exact=("output", X), mesh=(4,))
 CASES[4]["dropout_linear-rows-and-columns-mesh(2, 2)"] = dict(
-    op="dropout_linear", shape=BANDS, weight=(32, 128), placements=[Shard(0), Replicate()],
-    weight_placements=[Replicate(), Shard(0)], impl="tiled", out_placements=[Shard(0), Shard(2)], fused=True,
-    exact=("output",), mesh=(2, 2))
+    op="dropout_linear", operands=[(X, BANDS, [Shard(0), Replicate()]), (WEIGHT, (32, 128), [Replicate(), Shard(0)])],
+    impl="tiled", out_placements=[Shard(0), Shard(2)], fused=True, exact=("output",), mesh=(2, 2))
+CASES[4]["dropout_matmul-batch-and-heads-mesh(2, 2)"] = dict(
+    op="dropout_matmul", operands=[(WEIGHTS, (4, 2, 16, 16), [Shard(0), Shard(1)]),
+                                   (VALUE, (4, 2, 16, 8), [Shard(0), Shard(1)])],
+    impl="tiled", out_placements=[Shard(0), Shard(1)], fused=True, exact=("output", WEIGHTS, VALUE), mesh=(2, 2))
 
 HEADS, GQA_HEADS = (4, 4, 32, 16), (4, 2, 32, 16)
 for world, mesh, placements, kv_shape, impl in (

@@ -87,7 +87,7 @@ def _checked_probability(p, impl, interpret, weights, value) -> float:
     return p
 
 
-def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax):
+def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, softmax, global_shape, shard_offset):
     p = _checked_probability(p, impl, interpret, weights, value)
     *batch, L, S = weights.shape
     if softmax:
@@ -101,14 +101,14 @@ def _prepare(key_data, weights, value, p, impl, interpret, blocks, backward, sof
         blocks = blocks or _row_blocks(L, S, impl)
     problem = attention.weights_problem(batch, L, S, value.shape[-1])
     static = attention.resolve_static(problem, blocks, dropout_p=p, impl=impl, causal=False, scale=1.0,
-                                      interpret=interpret, backward=backward, global_shape=None)
+                                      interpret=interpret, backward=backward, global_shape=global_shape)
     L_padded = tiling.round_up(L, static.blocks.q)
     S_padded = static.S_padded
     # Padded weights and values are zeros: they add nothing to a product, and are sliced off.
     # (Scores are never padded along S: with softmax=True a block holds whole rows.)
     w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
     v = attention.planes_as_read(attention.padded(attention.flatten(value), 1, S_padded), static.value_transposed)
-    return static, w, v, attention.noise_words(key_data, impl, None), L_padded, S_padded
+    return static, w, v, attention.noise_words(key_data, impl, shard_offset), L_padded, S_padded
 
 
 # Per weight, for the kernels' cost estimates: a kept weight's scaling and ``x * 0`` (the select
@@ -176,7 +176,8 @@ def _forward_kernel(key_ref, w_ref, v_ref, out_ref, acc_ref, *, static, softmax,
 
 
 def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
-                           blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
+                           blocks: attention.AttentionBlocks | None = None, softmax: bool = False,
+                           global_shape=None, shard_offset: jax.Array | None = None):
     """``dropout(weights, p) @ value`` in one kernel (see the module docstring).
 
     Args:
@@ -190,6 +191,10 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
             forward kernel's; with ``softmax`` whole rows), and where a block is a whole short
             plane, the planes a step takes (:class:`attention.AttentionBlocks` ``planes``).
         softmax: ``weights`` are scores: ``dropout(softmax(weights, -1)) @ value``.
+        global_shape, shard_offset: the operands are a block of the batch dims
+            ``global_shape[:-2]`` (a DTensor's local shard) whose first plane is at the flat
+            batch index ``shard_offset`` there (int32 ``[high, low]`` words), with those
+            planes' part of the mask.
 
     Returns:
         ``(*batch, L, Ev)`` in the weights' dtype.
@@ -201,12 +206,13 @@ def dropout_matmul_forward(key_data, weights, value, *, p: float, impl: str = pr
     if weights.dtype == jnp.float16:
         wide_weights, wide_value = tiling.widen_float16(weights, value)
         return dropout_matmul_forward(key_data, wide_weights, wide_value, p=p, impl=impl, interpret=interpret,
-                                      blocks=blocks, softmax=softmax).astype(weights.dtype)
-    if heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
+                                      blocks=blocks, softmax=softmax, global_shape=global_shape,
+                                      shard_offset=shard_offset).astype(weights.dtype)
+    if global_shape is None and heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
         return _forward_in_lanes(key_data, weights, value, p=_checked_probability(p, impl, interpret, weights, value),
                                  impl=impl, interpret=interpret, softmax=softmax)
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, False,
-                                                       softmax)
+                                                       softmax, global_shape, shard_offset)
     problem, blocks = static.problem, static.blocks
     grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
     out_shape = jax.ShapeDtypeStruct((problem.size, L_padded, problem.Ev), weights.dtype)
@@ -255,9 +261,11 @@ def _backward_kernel(key_ref, w_ref, v_ref, grad_out_ref, grad_w_ref, grad_v_ref
 
 
 def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
-                            interpret: bool, blocks: attention.AttentionBlocks | None = None, softmax: bool = False):
+                            interpret: bool, blocks: attention.AttentionBlocks | None = None, softmax: bool = False,
+                            global_shape=None, shard_offset: jax.Array | None = None):
     """Gradients of :func:`dropout_matmul_forward` with respect to the weights and the value,
-    given the same key, options and the output's gradient ``(*batch, L, Ev)``, in one kernel.
+    given the same key, options (``global_shape`` and ``shard_offset`` too) and the output's
+    gradient ``(*batch, L, Ev)``, in one kernel.
     ``blocks`` are its own (default: the attention backward kernels'; with ``softmax`` whole
     rows): the mask is regenerated. With ``softmax`` the first gradient is the scores'.
 
@@ -266,14 +274,15 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
     """
     if weights.dtype == jnp.float16:
         grads = dropout_matmul_backward(key_data, *tiling.widen_float16(weights, value, grad_out), p=p, impl=impl,
-                                        interpret=interpret, blocks=blocks, softmax=softmax)
+                                        interpret=interpret, blocks=blocks, softmax=softmax, global_shape=global_shape,
+                                        shard_offset=shard_offset)
         return tuple(grad.astype(weights.dtype) for grad in grads)
-    if heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
+    if global_shape is None and heads_in_lanes.takes_weights(weights.shape, value.shape, weights.dtype, blocks=blocks):
         return _backward_in_lanes(key_data, weights, value, grad_out.astype(weights.dtype),
                                   p=_checked_probability(p, impl, interpret, weights, value), impl=impl,
                                   interpret=interpret, softmax=softmax)
     static, w, v, words, L_padded, S_padded = _prepare(key_data, weights, value, p, impl, interpret, blocks, True,
-                                                       softmax)
+                                                       softmax, global_shape, shard_offset)
     problem, blocks = static.problem, static.blocks
     grad_out = attention.padded(attention.flatten(grad_out.astype(weights.dtype)), 1, L_padded)
     # The value's gradient sums over the rows of L: they are the innermost axis, so each block of

@@ -6,41 +6,56 @@ transforms, ``torch.compile``)."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
-from torch_pallas import bridge
+from torch_pallas import bridge, sharding
 from torch_pallas.ops import _autograd
 from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
 
 
+def _call(kernel, key_data, *tensors, global_batch, global_offset, **static):
+    """``kernel`` on the whole operands, or with ``global_batch`` on a block of those batch dims
+    whose first plane is at flat index ``global_offset`` there (a DTensor's local shard), with
+    that block's part of the mask."""
+    if global_batch is None:
+        return bridge.call(kernel, key_data, *tensors, **static)
+    return sharding.call_on_block(kernel, key_data, *tensors, global_shape=(*global_batch, 1, 1),
+                                  global_offset=global_offset, **static)
+
+
 def _compute_dropout_matmul(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, p: float,
-                            impl: str, softmax: bool = False) -> torch.Tensor:
+                            impl: str, softmax: bool = False, global_batch: Optional[Sequence[int]] = None,
+                            global_offset: int = 0) -> torch.Tensor:
     """``dropout(weights, p) @ value`` (weights ``(*batch, L, S)``, value ``(*batch, S, Ev)``, one
     float dtype; pre-checked); with ``softmax`` the weights are scores:
-    ``dropout(softmax(weights, -1), p) @ value``."""
+    ``dropout(softmax(weights, -1), p) @ value``; ``global_batch``, ``global_offset``: see
+    :func:`_call`."""
     if weights.numel() == 0 or value.numel() == 0:
         return torch.zeros(*weights.shape[:-1], value.shape[-1], dtype=weights.dtype, device=weights.device)
-    return bridge.call(dropout_matmul_kernels.dropout_matmul_forward, key_data, weights, value, p=p, impl=impl,
-                       softmax=softmax)
+    return _call(dropout_matmul_kernels.dropout_matmul_forward, key_data, weights, value, p=p, impl=impl,
+                 softmax=softmax, global_batch=global_batch, global_offset=global_offset)
 
 
 dropout_matmul = torch.library.custom_op("torch_pallas::dropout_matmul", _compute_dropout_matmul, mutates_args=())
 
 
 @dropout_matmul.register_fake
-def _(weights, value, key_data, p, impl, softmax=False):
+def _(weights, value, key_data, p, impl, softmax=False, global_batch=None, global_offset=0):
     return weights.new_empty((*weights.shape[:-1], value.shape[-1]))
 
 
 def _compute_dropout_matmul_backward(grad_out: torch.Tensor, weights: torch.Tensor, value: torch.Tensor,
-                                     key_data: torch.Tensor, p: float, impl: str,
-                                     softmax: bool = False) -> list[torch.Tensor]:
+                                     key_data: torch.Tensor, p: float, impl: str, softmax: bool = False,
+                                     global_batch: Optional[Sequence[int]] = None,
+                                     global_offset: int = 0) -> list[torch.Tensor]:
     """The gradients of :func:`dropout_matmul` for the weights (with ``softmax``, the scores)
     and the value."""
     if weights.numel() == 0 or value.numel() == 0:
         return [torch.zeros_like(weights), torch.zeros_like(value)]
-    return list(bridge.call(dropout_matmul_kernels.dropout_matmul_backward, key_data, weights, value,
-                            grad_out.contiguous(), p=p, impl=impl, softmax=softmax))
+    return list(_call(dropout_matmul_kernels.dropout_matmul_backward, key_data, weights, value, grad_out.contiguous(),
+                      p=p, impl=impl, softmax=softmax, global_batch=global_batch, global_offset=global_offset))
 
 
 dropout_matmul_backward_op = torch.library.custom_op("torch_pallas::dropout_matmul_backward",
@@ -49,13 +64,12 @@ dropout_matmul_backward = _autograd.direct(dropout_matmul_backward_op, _compute_
 
 
 @dropout_matmul_backward_op.register_fake
-def _(grad_out, weights, value, key_data, p, impl, softmax=False):
+def _(grad_out, weights, value, key_data, p, impl, softmax=False, global_batch=None, global_offset=0):
     return [torch.empty_like(weights), torch.empty_like(value)]
 
 
 def _setup_context(ctx, inputs, output):
-    weights, value, key_data, ctx.p, ctx.impl, *softmax = inputs
-    ctx.softmax = bool(softmax and softmax[0])
+    weights, value, key_data, ctx.p, ctx.impl, ctx.softmax, ctx.global_batch, ctx.global_offset = inputs
     # The weights (or the scores), not the dropped weights: the softmax before them keeps them anyway.
     ctx.save_for_backward(weights, value, key_data)
 
@@ -63,8 +77,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     weights, value, key_data = ctx.saved_tensors
     grad_weights, grad_value = dropout_matmul_backward(grad_out, weights, value, key_data, ctx.p, ctx.impl,
-                                                       ctx.softmax)
-    return grad_weights, grad_value, None, None, None, None
+                                                       ctx.softmax, ctx.global_batch, ctx.global_offset)
+    return grad_weights, grad_value, None, None, None, None, None, None
 
 
 _apply = _autograd.differentiable(dropout_matmul, _compute_dropout_matmul, public_name="torch_pallas.dropout_matmul",
@@ -72,7 +86,7 @@ _apply = _autograd.differentiable(dropout_matmul, _compute_dropout_matmul, publi
 
 
 def apply(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
-          softmax: bool = False) -> torch.Tensor:
+          softmax: bool = False, global_batch: Optional[Sequence[int]] = None, global_offset: int = 0) -> torch.Tensor:
     """The op :data:`dropout_matmul`, differentiable under autograd, ``torch.func``'s reverse
     mode and ``torch.compile``."""
-    return _apply(weights, value, key_data, p, impl, softmax)
+    return _apply(weights, value, key_data, p, impl, softmax, global_batch, global_offset)
