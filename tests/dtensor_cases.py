@@ -260,8 +260,8 @@ def run_gpt_case(case: dict, mesh) -> None:
 def run_attention_case(case: dict, mesh) -> None:
     """torch_pallas's attention with dropout (causal, or a DTensor mask) of DTensors split over batch dims: each
     rank's output = the block of the unsharded call bit for bit, and the query, key and value
-    gradients within float32 tolerance (on jax 0.10 the backward kernels, on fewer planes, can
-    accumulate in another order)."""
+    gradients (and a learned mask's, summed over the ranks) within float32 tolerance (on jax
+    0.10 the backward kernels, on fewer planes, can accumulate in another order)."""
     import torch_pallas
 
     placements = case["placements"]
@@ -273,18 +273,23 @@ def run_attention_case(case: dict, mesh) -> None:
     if "mask_shape" in case:  # a padding mask (bool) or a bias (float), in place of causality
         mask = torch.rand(case["mask_shape"], generator=generator) > 0.3
         mask = mask if case["mask_dtype"] == torch.bool else torch.where(mask, 0.0, -1e4)
+    learned = case.get("mask_grad", False)  # a learned bias: its gradient is summed over the ranks
     whole_operands = [operand.clone().requires_grad_() for operand in operands]
-    whole = torch_pallas.scaled_dot_product_attention(*whole_operands, attn_mask=mask, is_causal=mask is None,
+    whole_mask = None if mask is None else mask.clone().requires_grad_(learned)
+    whole = torch_pallas.scaled_dot_product_attention(*whole_operands, attn_mask=whole_mask, is_causal=mask is None,
                                                       **options)
     whole.backward(grad)
     sharded_operands = [distributed(operand, mesh, placements).requires_grad_() for operand in operands]
-    sharded_mask = None if mask is None else distributed(mask, mesh, case["mask_placements"])
+    sharded_mask = None if mask is None else distributed(mask, mesh, case["mask_placements"]).requires_grad_(learned)
     out = torch_pallas.scaled_dot_product_attention(*sharded_operands, attn_mask=sharded_mask, is_causal=mask is None,
                                                     **options)
     out.backward(distributed(grad, mesh, placements))
     assert_block(out, whole.detach(), mesh, placements, "output")
     for name, got, want in zip(("query", "key", "value"), sharded_operands, whole_operands):
         assert_block(got.grad, want.grad, mesh, placements, f"{name}'s gradient", exact=False)
+    if learned:
+        assert_block(sharded_mask.grad, whole_mask.grad, mesh, case["mask_placements"], "the mask's gradient",
+                     exact=False)
 
 
 def run_indrnn_case(case: dict, mesh) -> None:

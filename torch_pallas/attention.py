@@ -130,19 +130,15 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 def check_dtensor_operands(query, key, value, attn_mask) -> None:
     """Attention of DTensors: query, key and value placed alike, split over batch dims only; a
-    mask, a DTensor too, that needs no gradient.
+    mask, a DTensor too.
 
     Raises:
         TypeError: some of them DTensors and some not.
-        ValueError: placements that differ, or split a length or head dim, or are Partial; a
-            mask that requires a gradient.
+        ValueError: placements that differ, or split a length or head dim, or are Partial.
     """
     if not all(bridge.is_dtensor(tensor) for tensor in (query, key, value, *(() if attn_mask is None else (attn_mask,)))):
         raise TypeError("attention of DTensors takes a query, key, value and attn_mask that are all DTensors "
                         "(DTensor.from_local or distribute_tensor makes the others), or call it on their full_tensor()")
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError("attention of DTensors takes an attn_mask that requires no gradient (not yet one that does): "
-                         "detach it, or call attention on the full_tensor()s")
     dtensors.check_placements(query, "query")
     if any(tensor.device_mesh != query.device_mesh or tensor.placements != query.placements for tensor in (key, value)):
         raise ValueError(f"query, key and value must be placed alike on one mesh, got {query.placements}, "
@@ -157,24 +153,27 @@ def check_dtensor_operands(query, key, value, attn_mask) -> None:
 
 def _on_local_shards(query, key, value, attn_mask, key_data, out_shape, **options):
     """Each rank's attention on its shards of the batch dims, drawing their planes' part of the
-    unsharded dropout mask; the rank's block of ``attn_mask`` (gathered whole first unless it is
-    replicated), cut along the batch dims it does not broadcast over."""
+    unsharded dropout mask; ``attn_mask`` is read whole on each rank (redistributed to
+    replicated first unless it is), the rank taking its block of the batch dims the mask does
+    not broadcast over; its gradient is summed over the ranks."""
     batch = query.shape[:-2]
-    local_shape, offset = dtensors.local_block(tuple(query.shape), query.device_mesh, query.placements)
+    mesh = query.device_mesh
+    local_shape, offset = dtensors.local_block(tuple(query.shape), mesh, query.placements)
     first_plane = dtensors.flat_offset(offset[:-2], batch)
-    mask = None
+    inputs = [query, key, value]
     if attn_mask is not None:
-        whole = attn_mask.to_local() if all(isinstance(placement, dtensors.Replicate)
-                                            for placement in attn_mask.placements) else attn_mask.full_tensor()
+        replicated = [dtensors.Replicate()] * mesh.ndim
+        inputs.append(attn_mask if tuple(attn_mask.placements) == tuple(replicated)
+                      else attn_mask.redistribute(mesh, replicated))
         lead = query.dim() - attn_mask.dim()
-        mask = whole[tuple(slice(offset[lead + d], offset[lead + d] + local_shape[lead + d])
-                           if d < attn_mask.dim() - 2 and d + lead >= 0 and whole.shape[d] != 1 else slice(None)
-                           for d in range(attn_mask.dim()))]
+        block = tuple(slice(offset[lead + d], offset[lead + d] + local_shape[lead + d])
+                      if d < attn_mask.dim() - 2 and d + lead >= 0 and attn_mask.shape[d] != 1 else slice(None)
+                      for d in range(attn_mask.dim()))
 
-    def local_attention(query, key, value):
+    def local_attention(query, key, value, mask=None):
         if math.prod(local_shape) == 0:
             return query.new_zeros((*query.shape[:-1], value.shape[-1]))
-        return attention_ops.apply(query, key, value, mask, key_data, global_batch=tuple(batch),
-                                   global_offset=first_plane, **options)
+        return attention_ops.apply(query, key, value, None if mask is None else mask[block], key_data,
+                                   global_batch=tuple(batch), global_offset=first_plane, **options)
 
-    return dtensors.on_local_shards(local_attention, query.device_mesh, query.placements, [(query.placements, out_shape)], query, key, value)
+    return dtensors.on_local_shards(local_attention, mesh, query.placements, [(query.placements, out_shape)], *inputs)

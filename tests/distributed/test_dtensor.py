@@ -115,6 +115,12 @@ for world, mesh, placements, kv_shape, impl in (
 CASES[2]["attention-padding-mask-split-with-the-batch-mesh(2,)"] = dict(
     op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(0)], mesh=(2,), impl="tiled",
     mask_shape=(4, 1, 32, 32), mask_dtype=torch.bool, mask_placements=[Shard(0)])
+CASES[2]["attention-learned-bias-split-with-the-heads-mesh(2,)"] = dict(
+    op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(1)], mesh=(2,), impl="tiled",
+    mask_shape=(1, 4, 32, 32), mask_dtype=torch.float32, mask_placements=[Shard(1)], mask_grad=True)
+CASES[4]["attention-learned-bias-replicated-mesh(2, 2)"] = dict(
+    op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(0), Shard(1)], mesh=(2, 2), impl="tiled",
+    mask_shape=(4, 32, 32), mask_dtype=torch.float32, mask_placements=[Replicate(), Replicate()], mask_grad=True)
 CASES[4]["attention-bias-replicated-mesh(2, 2)"] = dict(
     op="attention", shape=HEADS, kv_shape=HEADS, placements=[Shard(0), Shard(1)], mesh=(2, 2), impl="tiled",
     mask_shape=(32, 32), mask_dtype=torch.float32, mask_placements=[Replicate(), Replicate()])
