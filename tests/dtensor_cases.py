@@ -230,7 +230,7 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
                       "gpt": run_gpt_case, "attention": run_attention_case,
-                      "indrnn": run_indrnn_case, "dropout_linear": run_product_case,
+                      "indrnn": run_indrnn_case, "IndRNN": run_indrnn_module_case, "dropout_linear": run_product_case,
                       "dropout_matmul": run_product_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
@@ -321,3 +321,40 @@ def run_indrnn_case(case: dict, mesh) -> None:
     for name, got, want, where in zip(("x", "weight", "h0"), sharded, whole_inputs,
                                       (placements, weight_placements, state)):
         assert_block(got.grad, want.grad, mesh, where, f"{name}'s gradient", exact=name != "weight")
+
+
+def run_indrnn_module_case(case: dict, mesh) -> None:
+    """torch_pallas.nn.IndRNN (two bidirectional layers, dropout between them) on a DTensor input
+    split along its batch, with a DTensor hx placed to match: each rank's output, h_n and the
+    gradients of the input and hx = the blocks of the one-process module's, and its (plain)
+    parameters' gradients, summed over the ranks, within float32 tolerance."""
+    import torch_pallas
+    from torch.distributed.tensor import Shard
+
+    batch, steps, features, hidden = 4, 6, 16, 32
+    placements, state = [Shard(0)], [Shard(1)]  # batch first: the input's batch is dim 0, hx's dim 1
+    generator = torch.Generator().manual_seed(0)
+    x, hx = torch.randn(batch, steps, features, generator=generator), torch.randn(4, batch, hidden, generator=generator)
+    grad, grad_h_n = torch.randn(batch, steps, 2 * hidden, generator=generator), torch.randn(4, batch, hidden,
+                                                                                            generator=generator)
+
+    def module():
+        torch.manual_seed(0)
+        return torch_pallas.nn.IndRNN(features, hidden, num_layers=2, batch_first=True, dropout=0.3,
+                                      bidirectional=True)
+
+    whole_module, sharded_module = module(), module()
+    whole_inputs = [t.clone().requires_grad_() for t in (x, hx)]
+    torch.manual_seed(SEED)
+    whole_out, whole_h_n = whole_module(*whole_inputs)
+    torch.autograd.backward((whole_out, whole_h_n), (grad, grad_h_n))
+    sharded = [distributed(x, mesh, placements).requires_grad_(), distributed(hx, mesh, state).requires_grad_()]
+    torch.manual_seed(SEED)
+    out, h_n = sharded_module(*sharded)
+    torch.autograd.backward((out, h_n), (distributed(grad, mesh, placements), distributed(grad_h_n, mesh, state)))
+    assert_block(out, whole_out.detach(), mesh, placements, "output", exact=False)
+    assert_block(h_n, whole_h_n.detach(), mesh, state, "h_n", exact=False)
+    assert_block(sharded[0].grad, whole_inputs[0].grad, mesh, placements, "input's gradient", exact=False)
+    assert_block(sharded[1].grad, whole_inputs[1].grad, mesh, state, "hx's gradient", exact=False)
+    for (name, got), want in zip(sharded_module.named_parameters(), whole_module.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-4, msg=lambda message: f"{name}: {message}")

@@ -18,7 +18,9 @@ How a shard draws its part:
   backward kernels alike, and nothing is stored. A shard of many runs (a split along the last
   dim: tensor parallelism's column shards) is scattered instead into the bands it spans, as
   many as the whole tensor's, for one kernel call: each rank then draws the whole tensor's
-  noise, where ``impl="threefry"`` draws only its shard's.
+  noise, where ``impl="threefry"`` draws only its shard's. A mask shared over the first dim is
+  cut the same way along the one row of its noise (``shape[1:]``), for every index of the
+  first dim the shard holds.
 
 The key is drawn on each rank as for a plain tensor (a ``seed``, a ``generator``, or the RNG of
 the shard's device), so ranks must draw alike: seeded alike, as torch's own DTensor random ops
@@ -44,8 +46,9 @@ if torch.distributed.is_available():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["check_layout", "check_placements", "flat_offset", "linear_placements", "local_block", "map_channels",
-           "map_noise_blocks", "on_local_shards", "placements_match", "row_runs", "sample_on_mesh", "shardwise"]
+__all__ = ["check_layout", "check_placements", "flat_offset", "linear_of_shards", "linear_placements", "local_block",
+           "map_channels", "map_noise_blocks", "on_local_shards", "placements_match", "replicated", "row_runs",
+           "sample_on_mesh", "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -97,7 +100,7 @@ def _runs(shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int
     """The runs of the block of ``local_shape`` at ``offset`` of a tensor of ``shape``, in its
     flat order: (their length, the flat index of each start), one run per index of the dims
     before the last dim the block splits, in the block's own order."""
-    split = max((d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole), default=0)
+    split = max([0] + [d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole])
     outer = local_shape[:split]
     starts = [flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
                            *[0] * (len(shape) - split - 1)], shape) for index in range(math.prod(outer))]
@@ -142,6 +145,35 @@ def linear_placements(x, weight) -> tuple | None:
         else:
             return None
     return tuple(placements)
+
+
+def replicated(tensor: torch.Tensor, like):
+    """``tensor``, a DTensor as it is, or a plain one as a DTensor replicated on DTensor
+    ``like``'s mesh (a module's parameter; its gradient is the one summed over the ranks)."""
+    if bridge.is_dtensor(tensor):
+        return tensor
+    return DTensor.from_local(tensor, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+
+
+def linear_of_shards(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` of DTensor ``x`` split along any dims but its last (or
+    replicated), with a replicated ``weight`` (and ``bias``): each rank's rows from its own
+    shard, placed as ``x`` (torch's DTensor linear cannot flatten a split dim other than the
+    first). The weight's gradient is summed over the ranks.
+
+    Raises:
+        ValueError: ``x`` split along its last dim or ``Partial``, or a ``weight`` or ``bias``
+            that is not replicated on ``x``'s mesh.
+    """
+    operands = [weight] + ([] if bias is None else [bias])
+    placements = linear_placements(x, weight)
+    if (placements is None or tuple(placements) != tuple(x.placements)
+            or any(not all(isinstance(p, Replicate) for p in t.placements) for t in operands)):
+        raise ValueError(f"a linear layer of DTensors here takes an input split along any dims but its last (got "
+                         f"{x.placements}) and a weight and bias replicated on its mesh (got "
+                         f"{[t.placements for t in operands]})")
+    return on_local_shards(lambda x, *operands: torch.nn.functional.linear(x, *operands), x.device_mesh, placements,
+                           [(placements, (*x.shape[:-1], weight.shape[0]))], x, *operands)
 
 
 class _Shardwise(torch.autograd.Function):
@@ -256,12 +288,12 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
     locals_ = [x.to_local(), *(other.to_local() for other in others)]
     if math.prod(local_shape) == 0:  # an empty shard (more ranks than rows): nothing to draw
         output = block_op(*locals_, global_shape=shape, global_offset=0)
-    elif not prng.per_tile(impl) or shared_over_first_dim or local_shape == shape:
+    elif not prng.per_tile(impl) or local_shape[shared_over_first_dim:] == shape[shared_over_first_dim:]:
         check_noise_block(local_shape, shape, impl, shared_over_first_dim)
         output = block_op(*locals_, global_shape=shape,
                           global_offset=flat_offset(offset, shape, shared_over_first_dim))
     else:
-        output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl)
+        output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl, shared_over_first_dim)
     return _like(output, x)
 
 
@@ -317,39 +349,52 @@ _MOST_CALLS = 16
 
 
 def _in_covering_bands(locals_: list, block_op: Callable, shape: tuple, local_shape: tuple, offset: tuple,
-                       impl: str) -> torch.Tensor:
-    """A per-tile impl's noise on a shard: the shard's runs of the whole tensor's 2-D view, each
-    padded to the bands of tiles it touches (or, past :data:`_MOST_CALLS` runs, scattered into
-    the bands the whole shard spans), drawn by the kernel and cut out again."""
-    if tiling.first_dims_swapped(shape):
+                       impl: str, shared_over_first_dim: bool) -> torch.Tensor:
+    """A per-tile impl's noise on a shard: the shard's runs of the whole tensor's 2-D view (with
+    ``shared_over_first_dim``, of the one row of ``shape[1:]``'s noise, for each index of the
+    first dim the shard holds), each padded to the bands of tiles it touches (or, past
+    :data:`_MOST_CALLS` runs, scattered into the bands the whole shard spans), drawn by the
+    kernel and cut out again."""
+    if tiling.first_dims_swapped(shape) and not shared_over_first_dim:
         elementwise.per_tile_view(local_shape, shape, False, impl)  # raises: such a tensor cannot be split
-    _, _, _, columns, seed_tile = elementwise.per_tile_view(shape, shape, False, impl)
-    numel = math.prod(shape)
-    view = (numel // columns, columns)
-    band = columns * seed_tile[0] if numel > columns else seed_tile[1]
-    # The 2-D view's own noise is the whole tensor's: the same tiles over the same flat indices.
-    assert elementwise.per_tile_view(view, view, False, impl)[3:] == (columns, seed_tile), (shape, view)
-    run, starts = _runs(shape, local_shape, offset)
+    _, _, _, columns, seed_tile = elementwise.per_tile_view(shape, shape, shared_over_first_dim, impl)
+    if shared_over_first_dim:
+        # Every index of the first dim draws the noise of the one row of shape[1:].
+        lead, view = local_shape[0], (local_shape[0], columns)
+        band = seed_tile[1]
+        run, starts = _runs(shape[1:], local_shape[1:], offset[1:])
+    else:
+        numel = math.prod(shape)
+        lead, view = 1, (numel // columns, columns)
+        band = columns * seed_tile[0] if numel > columns else seed_tile[1]
+        # The 2-D view's own noise is the whole tensor's: the same tiles over the same flat indices.
+        assert elementwise.per_tile_view(view, view, False, impl)[3:] == (columns, seed_tile), (shape, view)
+        run, starts = _runs(shape, local_shape, offset)
 
     def drawn_over(padded: list, first: int) -> torch.Tensor:
         # (the last band may reach into the view's padding, past the tensor's end)
-        rows = 1 if view[0] == 1 else padded[0].numel() // columns
+        rows = lead if shared_over_first_dim or view[0] == 1 else padded[0].numel() // columns
         return block_op(*(tensor.reshape(rows, -1) for tensor in padded), global_shape=view,
-                        global_offset=first).reshape(-1)
+                        global_offset=first).reshape(lead, -1)
 
-    runs = [tensor.reshape(-1, run) for tensor in locals_]
+    runs = [tensor.reshape(lead, -1, run) for tensor in locals_]
     if len(starts) <= _MOST_CALLS:
         outputs = []
         for index, start in enumerate(starts):
             first, end = start // band * band, tiling.round_up(start + run, band)
-            padded = [torch.nn.functional.pad(tensor[index], (start - first, end - start - run)) for tensor in runs]
-            outputs.append(drawn_over(padded, first)[start - first:start - first + run])
-        return torch.stack(outputs).reshape(local_shape)
+            padded = [torch.nn.functional.pad(tensor[:, index], (start - first, end - start - run)) for tensor in runs]
+            outputs.append(drawn_over(padded, first)[:, start - first:start - first + run])
+        return torch.stack(outputs, dim=1).reshape(local_shape)
     first, end = starts[0] // band * band, tiling.round_up(starts[-1] + run, band)
     positions = ((torch.tensor(starts, device=runs[0].device) - first)[:, None]
                  + torch.arange(run, device=runs[0].device)).reshape(-1)
-    scattered = [tensor.new_zeros(end - first).index_put_((positions,), tensor.reshape(-1)) for tensor in runs]
-    return drawn_over(scattered, first)[positions].reshape(local_shape)
+
+    def scattered(tensor):
+        spanned = tensor.new_zeros(lead, end - first)
+        spanned[:, positions] = tensor.reshape(lead, -1)
+        return spanned
+
+    return drawn_over([scattered(tensor) for tensor in runs], first)[:, positions].reshape(local_shape)
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

@@ -47,6 +47,11 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
             "matrix-columns": dict(op="dropout", impl="tiled", shape=MATRIX, placements=[Shard(1)], key="seed"),
             "shared-mask-threefry": dict(op="dropout", impl="threefry", shape=BANDS, placements=[Shard(1)],
                                          shared=True, key="seed"),
+            # (padded to the bands of the one row of the shared noise; split along the last dim, scattered)
+            "shared-mask-tiled": dict(op="dropout", impl="tiled", shape=ONE_ROW, placements=[Shard(1)], shared=True,
+                                      key="seed"),
+            "shared-mask-tiled-columns": dict(op="dropout", impl="tiled", shape=BANDS, placements=[Shard(2)],
+                                              shared=True, key="seed"),
             "generator-key-seeded-alike": dict(op="dropout", impl="tiled", shape=BANDS, placements=[Shard(1)]),
             "routed-F.dropout": dict(op="routed", impl=None, shape=BANDS, placements=[Shard(1)]),
             "converted-nn.Dropout": dict(op="converted", impl=None, shape=ONE_ROW, placements=[Shard(1)]),
@@ -67,6 +72,7 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
 # dropout_linear and dropout_matmul: (operands' shapes and placements on a mesh of 2, impl, the
 # output's placements, fused, what is bit for bit). Fused, each rank's rows (linear: a kernel per
 # sequence for a split along it, padded to the rows its mask starts at) or planes run in the kernel.
+# A product over fewer output features (the weight split) may round otherwise (jax 0.10's dot).
 X, WEIGHT, WEIGHTS, VALUE = "x", "weight", "weights", "value"
 PRODUCTS = {
     "dropout_linear-rows": ({X: (BANDS, [Shard(0)]), WEIGHT: ((32, 128), [Replicate()])}, "tiled", [Shard(0)], True,
@@ -99,7 +105,7 @@ CASES[4]["dropout_linear-rows-of-tiles-mesh(4,)"] = dict(
     out_placements=[Shard(0)], fused=True, exact=("output", X), mesh=(4,))
 CASES[4]["dropout_linear-rows-and-columns-mesh(2, 2)"] = dict(
     op="dropout_linear", operands=[(X, BANDS, [Shard(0), Replicate()]), (WEIGHT, (32, 128), [Replicate(), Shard(0)])],
-    impl="tiled", out_placements=[Shard(0), Shard(2)], fused=True, exact=("output",), mesh=(2, 2))
+    impl="tiled", out_placements=[Shard(0), Shard(2)], fused=True, exact=(), mesh=(2, 2))
 CASES[4]["dropout_matmul-batch-and-heads-mesh(2, 2)"] = dict(
     op="dropout_matmul", operands=[(WEIGHTS, (4, 2, 16, 16), [Shard(0), Shard(1)]),
                                    (VALUE, (4, 2, 16, 8), [Shard(0), Shard(1)])],
@@ -128,6 +134,7 @@ for world, mesh, placements, lengths in ((2, (2,), [Shard(1)], [8, 3, 0, 5]), (2
                                          (4, (2, 2), [Shard(1), Shard(2)], [8, 3, 0, 5])):
     name = f"indrnn-{''.join(map(str, placements))}{'-lengths' if lengths else ''}-mesh{mesh}"
     CASES[world][name] = dict(op="indrnn", shape=(8, 4, 128), placements=placements, mesh=mesh, lengths=lengths)
+CASES[2]["nn.IndRNN-batch-mesh(2,)"] = dict(op="IndRNN", mesh=(2,))
 for checkpointed in (False, True):
     CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
         op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)

@@ -8,13 +8,22 @@ import numbers
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from torch_pallas import _checks, sharding
-from torch_pallas.functional import dropout_under_sharding, indrnn_under_sharding
+from torch_pallas import _checks, bridge, dtensors, sharding
+from torch_pallas.functional import dropout_under_sharding, indrnn, indrnn_under_sharding
 from torch_pallas.kernels.arguments import check_positive_int
 from torch_pallas.kernels.indrnn import check_nonlinearity
 from torch_pallas.packing import Padded, reverse_each
 
 __all__ = ["IndRNN"]
+
+
+def _reversed(sequence, lengths):
+    """Each sequence of time-major ``sequence`` reversed within its length: for a DTensor (no
+    length; time is not split) each rank reverses its own, as torch's DTensors have no flip."""
+    if bridge.is_dtensor(sequence):
+        return dtensors.on_local_shards(lambda local: reverse_each(local, None), sequence.device_mesh,
+                                        sequence.placements, [(sequence.placements, sequence.shape)], sequence)
+    return reverse_each(sequence, lengths)
 
 
 class _RNNInputError(ValueError, RuntimeError):
@@ -73,6 +82,9 @@ class IndRNN(torch.nn.Module):
             runs on (:ref:`devices`). Build a packed batch on the CPU and move it with ``.to(device)``, or with
             :func:`torch_pallas.packing.pack_padded_sequence`: torch_xla 2.9's
             ``pack_padded_sequence`` / ``pack_sequence`` return wrong data for XLA tensors.
+            Or a batched ``torch.distributed`` DTensor split along its batch (or replicated),
+            with ``hx`` a DTensor split alike: each rank runs its sequences, the parameters'
+            gradients summed over the ranks (:ref:`DTensors <dtensors>`).
         hx: ``(num_layers * num_directions, B, hidden_size)`` (no ``B`` if unbatched); zeros
             if omitted.
 
@@ -217,20 +229,28 @@ class IndRNN(torch.nn.Module):
             lengths = None
         sequence, hx, lengths = self.check_forward_args(input, hx, lengths, packed)
         batched = packed or input.dim() == 3
-
+        distributed = bridge.is_dtensor(sequence)
         last_states = []
         for layer in range(self.num_layers):
             directions = []
             for direction, suffix in enumerate(self._suffixes(layer)):
-                projected = torch.nn.functional.linear(
-                    sequence, getattr(self, f"weight_ih{suffix}"), getattr(self, f"bias_ih{suffix}"))
+                weight_ih, bias_ih, weight_hh = (getattr(self, f"{name}{suffix}")
+                                                 for name in ("weight_ih", "bias_ih", "weight_hh"))
+                if distributed:
+                    weight_ih, weight_hh = (dtensors.replicated(weight, sequence) for weight in (weight_ih, weight_hh))
+                    bias_ih = None if bias_ih is None else dtensors.replicated(bias_ih, sequence)
+                    projected = dtensors.linear_of_shards(sequence, weight_ih, bias_ih)
+                else:
+                    projected = torch.nn.functional.linear(sequence, weight_ih, bias_ih)
                 if direction == 1:
-                    projected = reverse_each(projected, lengths)
+                    projected = _reversed(projected, lengths)
                 h0 = None if hx is None else hx[layer * self.num_directions + direction]
-                output, h_n = indrnn_under_sharding(projected, getattr(self, f"weight_hh{suffix}"), h0,
-                                                    nonlinearity=self.nonlinearity, batch_first=False,
-                                                    lengths=lengths, sharding=self._sharding)
-                directions.append(reverse_each(output, lengths) if direction == 1 else output)
+                if distributed:
+                    output, h_n = indrnn(projected, weight_hh, h0, nonlinearity=self.nonlinearity, lengths=lengths)
+                else:
+                    output, h_n = indrnn_under_sharding(projected, weight_hh, h0, nonlinearity=self.nonlinearity,
+                                                        batch_first=False, lengths=lengths, sharding=self._sharding)
+                directions.append(_reversed(output, lengths) if direction == 1 else output)
                 last_states.append(h_n)
             sequence = directions[0] if len(directions) == 1 else torch.cat(directions, dim=-1)
             if self.dropout > 0 and self.training and layer < self.num_layers - 1:
@@ -266,7 +286,26 @@ class IndRNN(torch.nn.Module):
         if self.mesh is not None and (packed or not batched):
             raise ValueError("a module with a partition_spec takes a padded, batched input "
                              "(a PackedSequence or an unbatched input cannot be split by it)")
+        if bridge.is_dtensor(sequence):
+            self._check_dtensor_input(sequence, hx, batched)
         return sequence, hx, lengths
+
+    def _check_dtensor_input(self, sequence, hx, batched: bool) -> None:
+        """A DTensor input (time-major here): batched, replicated or split along its batch only
+        (each rank runs its sequences), an ``hx`` that is a DTensor placed as its batch, and no
+        SPMD ``partition_spec``."""
+        dtensors.check_placements(sequence, "input")
+        if self.mesh is not None:
+            raise ValueError("a module with a partition_spec (torch_xla's SPMD) takes no DTensor input")
+        for placement in sequence.placements:
+            if (not batched or isinstance(placement, dtensors.Partial)
+                    or (isinstance(placement, dtensors.Shard) and placement.dim % 3 != 1)):
+                raise ValueError(f"a DTensor input must be batched, and split along its batch only or replicated, "
+                                 f"got {placement} for the time-major {tuple(sequence.shape)}: redistribute it")
+        state = tuple(dtensors.Shard(1) if isinstance(p, dtensors.Shard) else p for p in sequence.placements)
+        if hx is not None and not (bridge.is_dtensor(hx) and tuple(hx.placements) == state):
+            raise ValueError(f"with a DTensor input, hx must be a DTensor placed {list(state)} (split as the input's "
+                             f"batch), got {getattr(hx, 'placements', type(hx).__name__)}")
 
     def check_input(self, input: torch.Tensor, packed: bool = False) -> None:
         """As :meth:`torch.nn.RNNBase.check_input`: the parameters' device and dtype (another
