@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 SEED = 5
+BANDS_SHAPE = (4, 64, 128)
 
 
 def block_of(global_tensor, mesh, placements):
@@ -230,7 +231,8 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
                 meshes[mesh_shape, names] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             runner = {"sequence_parallel": run_parallel_module_case, "colwise": run_parallel_module_case,
                       "gpt": run_gpt_case, "attention": run_attention_case,
-                      "indrnn": run_indrnn_case, "IndRNN": run_indrnn_module_case, "dropout_linear": run_product_case,
+                      "indrnn": run_indrnn_case, "IndRNN": run_indrnn_module_case,
+                      "seeding": run_seeding_case, "dropout_linear": run_product_case,
                       "dropout_matmul": run_product_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
@@ -358,3 +360,33 @@ def run_indrnn_module_case(case: dict, mesh) -> None:
     assert_block(sharded[1].grad, whole_inputs[1].grad, mesh, state, "hx's gradient", exact=False)
     for (name, got), want in zip(sharded_module.named_parameters(), whole_module.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-4, msg=lambda message: f"{name}: {message}")
+
+
+def run_seeding_case(case: dict, mesh) -> None:
+    """docs/sharding.md's keys: after accelerate's ``set_seed(seed)`` every rank draws the same
+    mask for a plain tensor, and a DTensor's shards draw the unsharded tensor's; after
+    ``set_seed(seed, device_specific=True)``'s seed + rank each rank draws its own mask, as data
+    parallelism wants, and the shards of a DTensor no longer draw one tensor's."""
+    import torch_pallas
+    from accelerate.utils import set_seed
+    from torch.distributed.tensor import Shard
+
+    x = torch.ones(*BANDS_SHAPE)
+    masks = {}
+    for device_specific in (False, True):
+        # device_specific=True adds accelerate's process index, the rank under its launcher (its
+        # state needs that launcher's environment, which these workers do not have).
+        set_seed(SEED + dist.get_rank() if device_specific else SEED)
+        local = torch_pallas.dropout(x, 0.3) != 0
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        masks[device_specific] = all(torch.equal(gathered[0], other) for other in gathered[1:])
+        set_seed(SEED + dist.get_rank() if device_specific else SEED)
+        shard = torch_pallas.dropout(distributed(x, mesh, [Shard(0)]), 0.3).to_local()
+        set_seed(SEED)
+        whole = torch_pallas.dropout(x, 0.3)
+        masks[device_specific, "one tensor's"] = torch.equal(shard, block_of(whole, mesh, [Shard(0)])[0])
+    assert masks[False] and masks[False, "one tensor's"], masks
+    assert not masks[True], "set_seed(device_specific=True): every rank drew the same mask"
+    if mesh.get_coordinate()[0] != 0:  # (rank 0's seed is seed + 0)
+        assert not masks[True, "one tensor's"], masks

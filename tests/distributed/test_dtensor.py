@@ -135,6 +135,7 @@ for world, mesh, placements, lengths in ((2, (2,), [Shard(1)], [8, 3, 0, 5]), (2
     name = f"indrnn-{''.join(map(str, placements))}{'-lengths' if lengths else ''}-mesh{mesh}"
     CASES[world][name] = dict(op="indrnn", shape=(8, 4, 128), placements=placements, mesh=mesh, lengths=lengths)
 CASES[2]["nn.IndRNN-batch-mesh(2,)"] = dict(op="IndRNN", mesh=(2,))
+CASES[2]["accelerate-set_seed-device_specific-mesh(2,)"] = dict(op="seeding", mesh=(2,))
 for checkpointed in (False, True):
     CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
         op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)
