@@ -116,21 +116,30 @@ def parallelize(model: TinyGPT, mesh) -> TinyGPT:
 
 
 def train(mesh, steps: int = 3, checkpointed: bool = False, check_gradients: bool = False):
-    """Trains the parallel model and a one-process copy side by side; returns each step's
-    ``(loss, the one-process loss on this rank's half)``. ``check_gradients``: every step, every
-    parameter's gradient (gathered) must equal the one-process model's (averaged over the
-    halves, as FSDP2 averages them) within float32 tolerance."""
+    """Trains the parallel model and a one-process copy side by side (:func:`train_side_by_side`)."""
     import torch_pallas
 
     def model():
         torch.manual_seed(0)
         return torch_pallas.convert_dropout(TinyGPT(checkpointed=checkpointed))
 
+    return train_side_by_side(mesh, model, parallelize, steps=steps, check_gradients=check_gradients)
+
+
+def train_side_by_side(mesh, model, parallelize, *, steps: int, check_gradients: bool, vocabulary: int = 64,
+                       full_gradient=lambda name, gradient: gradient):
+    """Trains ``parallelize(model(), mesh)`` and a one-process ``model()`` side by side, each step
+    on a batch whose halves are the data-parallel ranks' (``model(ids)`` returns the loss);
+    returns each step's ``(loss, the one-process loss on this rank's half)``.
+    ``check_gradients``: every step, every parameter's gradient (gathered, then
+    ``full_gradient(name, gradient)`` in the one-process model's layout) must equal the
+    one-process model's (averaged over the halves, as FSDP2 averages them) within float32
+    tolerance."""
     single, parallel = model(), parallelize(model(), mesh)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, parallel)]
     dp_rank, losses = mesh["dp"].get_local_rank(), []
     for step in range(steps):
-        halves = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(step)).chunk(2)
+        halves = torch.randint(0, vocabulary, (4, 32), generator=torch.Generator().manual_seed(step)).chunk(2)
         single_losses = []
         for half in halves:
             torch.manual_seed(100 + step)  # every rank, and each half of the one process, alike
@@ -142,8 +151,8 @@ def train(mesh, steps: int = 3, checkpointed: bool = False, check_gradients: boo
         loss.backward()
         if check_gradients:
             for (name, want), got in zip(single.named_parameters(), parallel.parameters()):
-                torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda message: f"{name}: {message}")
+                torch.testing.assert_close(full_gradient(name, got.grad.full_tensor()), want.grad, rtol=1e-4,
+                                           atol=1e-6, msg=lambda message: f"{name}: {message}")
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()

@@ -246,16 +246,22 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
 
 
 def run_gpt_case(case: dict, mesh) -> None:
-    """examples/train_tensor_parallel.py's training, two steps: a converted GPT under TP + SP
+    """examples/train_tensor_parallel.py's training (``gpt2``: train_gpt2_tensor_parallel.py's,
+    transformers' GPT-2 with torch_pallas's attention), two steps: a converted GPT under TP + SP
     over the mesh's "tp" dim and FSDP2 over its "dp" dim = the one-process model run on each
     half of the batch from the same seed, losses and every parameter's gradient within float32
     tolerance, so every dropout drew the one process's mask; with ``checkpointed`` blocks, their
     recomputation too."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    import train_tensor_parallel
+    if case.get("gpt2"):
+        import train_gpt2_tensor_parallel
 
-    for loss, single in train_tensor_parallel.train(mesh, steps=2, checkpointed=case["checkpointed"],
-                                                    check_gradients=True):
+        losses = train_gpt2_tensor_parallel.train(mesh, steps=2, check_gradients=True)
+    else:
+        import train_tensor_parallel
+
+        losses = train_tensor_parallel.train(mesh, steps=2, checkpointed=case["checkpointed"], check_gradients=True)
+    for loss, single in losses:
         assert abs(loss - single) <= 1e-5 * abs(single), (loss, single)
 
 

@@ -65,7 +65,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                "(the attention weights never exist in memory); they are ignored.")
     enable_gqa = getattr(module, "num_key_value_groups", 1) > 1
     q_length = query.shape[2]
-    if attention_mask is not None and attention_mask.ndim == 4:
+    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] > key.shape[-2]:
         attention_mask = attention_mask[:, :, :, :key.shape[-2]]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # transformers 5's rule (4.57's, when it computes is_causal itself): a mask carries the

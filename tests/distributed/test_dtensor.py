@@ -1,10 +1,10 @@
 """docs/sharding.md, DTensors: torch_pallas's ops take ``torch.distributed`` DTensors (dropout and
 its channel variants, dropout_add, dropout_linear, dropout_matmul, random.* with device_mesh=,
-attention, indrnn), each rank drawing its shard's part of the whole tensor's noise: sharded
+attention, indrnn, nn.IndRNN), each rank drawing its shard's part of the whole tensor's noise: sharded
 equals unsharded, bit for bit where the same kernels run (tolerances are named in the cases), on
 2 and 4 real processes (gloo, CPU tensors), each group in processes of its own
-(tests/dtensor_cases.py runs the cases); and examples/train_tensor_parallel.py's TP + SP + FSDP2
-training equals one process."""
+(tests/dtensor_cases.py runs the cases); and examples/train_tensor_parallel.py's and
+examples/train_gpt2_tensor_parallel.py's TP + SP + FSDP2 training equals one process."""
 
 import multiprocessing
 import os
@@ -139,6 +139,8 @@ CASES[2]["accelerate-set_seed-device_specific-mesh(2,)"] = dict(op="seeding", me
 for checkpointed in (False, True):
     CASES[4][f"train_tensor_parallel-tp-sp-fsdp2{'-checkpointed' if checkpointed else ''}-mesh(2, 2)"] = dict(
         op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), checkpointed=checkpointed)
+CASES[4]["train_gpt2_tensor_parallel-transformers-gpt2-tp-sp-fsdp2-mesh(2, 2)"] = dict(
+    op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), gpt2=True)
 
 
 @pytest.fixture(scope="module")
