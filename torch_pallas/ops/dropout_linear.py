@@ -59,7 +59,9 @@ def _(grad_out, x, weight, key_data, p, impl, global_shape=None, first_row=0):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, key_data, ctx.p, ctx.impl, ctx.global_shape, ctx.first_row = inputs
+    x, weight, key_data, ctx.p, ctx.impl, *rest = inputs
+    defaults = (None, 0)  # (callers may leave the trailing defaults out)
+    ctx.global_shape, ctx.first_row = (*rest, *defaults[len(rest):])
     # x, not the dropped x: consumers of one x (q, k and v) share what autograd keeps.
     ctx.save_for_backward(x, weight, key_data)
 

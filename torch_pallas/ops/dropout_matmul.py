@@ -69,7 +69,9 @@ def _(grad_out, weights, value, key_data, p, impl, softmax=False, global_batch=N
 
 
 def _setup_context(ctx, inputs, output):
-    weights, value, key_data, ctx.p, ctx.impl, ctx.softmax, ctx.global_batch, ctx.global_offset = inputs
+    weights, value, key_data, ctx.p, ctx.impl, *rest = inputs
+    defaults = (False, None, 0)  # (callers may leave the trailing defaults out)
+    ctx.softmax, ctx.global_batch, ctx.global_offset = (*rest, *defaults[len(rest):])
     # The weights (or the scores), not the dropped weights: the softmax before them keeps them anyway.
     ctx.save_for_backward(weights, value, key_data)
 
