@@ -122,8 +122,9 @@ def run_case(case: dict, mesh) -> None:
 
 def run_product_case(case: dict, mesh) -> None:
     """torch_pallas.dropout_linear or dropout_matmul (``op``) of DTensors (``operands``: name,
-    global shape and placements each, in the op's order): the fused kernel on each rank's shards
-    where ``fused`` (its calls counted), else dropout then torch's product of DTensors; each
+    global shape and placements each, in the op's order), eager or ``compiled`` (fullgraph): the
+    fused kernel on each rank's shards where ``fused`` (its calls counted), else dropout then
+    torch's product of DTensors; each
     rank's output and gradients = the blocks of the unsharded call, bit for bit those named in
     ``exact`` (the fused kernel's own rows and planes; a sum over ranks, or torch's products,
     within float32 tolerance)."""
@@ -153,7 +154,8 @@ def run_product_case(case: dict, mesh) -> None:
     calls, apply = [], ops.apply
     ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
     try:
-        out = function(*sharded.values(), **options)
+        sharded_call = torch.compile(function, fullgraph=True) if case.get("compiled") else function
+        out = sharded_call(*sharded.values(), **options)
     finally:
         ops.apply = apply
     assert bool(calls) == case["fused"], f"fused kernel calls: {calls}"

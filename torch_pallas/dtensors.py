@@ -116,7 +116,8 @@ def row_runs(x) -> list[tuple[int, list[int]]] | None:
         return None
     mesh = x.device_mesh
     own = tuple(mesh.get_coordinate())
-    for coordinate in [own, *(c for c in itertools.product(*map(range, mesh.shape)) if c != own)]:
+    everyone = itertools.product(*[range(mesh.size(dim)) for dim in range(mesh.ndim)])
+    for coordinate in [own, *(c for c in everyone if c != own)]:
         block_shape, offset = _block_at(shape, mesh, x.placements, coordinate)
         length, starts = _runs(shape, block_shape, offset)
         if block_shape[-1] != shape[-1] or len(starts) > _MOST_CALLS:
@@ -207,45 +208,41 @@ def _like(local: torch.Tensor, x):
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
-class _OnLocalShards(torch.autograd.Function):
-    """``function`` of DTensors' local shards, differentiated locally: each input's gradient is
-    the local one, placed as the input (summed over the ranks, for an input replicated on a
-    mesh dim that splits the work). Autograd does not go through ``to_local`` and
-    ``from_local`` (see :class:`_Shardwise`)."""
+class _LocalShard(torch.autograd.Function):
+    """DTensor ``x``'s local shard, for a rank's own computation on it: its gradient is the
+    local one, placed as ``x`` (summed over the ranks, for an ``x`` replicated on a mesh dim
+    that splits the work). Not ``to_local``, whose backward gives an uneven shard's gradient a
+    stride of even ones, so that it comes back all-gathered (``Replicate``) when it reaches
+    ``x`` (torch 2.9 to 2.14)."""
 
     @staticmethod
-    def forward(ctx, function, mesh, work_placements, outputs, *inputs):
-        ctx.inputs, ctx.mesh, ctx.work_placements = inputs, mesh, work_placements
-        ctx.locals = [tensor.to_local().detach().requires_grad_(tensor.requires_grad) for tensor in inputs]
-        with torch.enable_grad():
-            results = function(*ctx.locals)
-        ctx.results = results if isinstance(results, tuple) else (results,)
-        ctx.outputs = outputs
-        placed = tuple(_placed(result.detach(), mesh, placements, shape)
-                       for result, (placements, shape) in zip(ctx.results, outputs))
-        return placed if isinstance(results, tuple) else placed[0]
+    def forward(ctx, x, work_placements):
+        ctx.mesh, ctx.placements, ctx.shape = x.device_mesh, tuple(x.placements), tuple(x.shape)
+        # A replicated input read by sharded work: each rank's gradient is its part of the sum.
+        ctx.summed = tuple(Partial() if isinstance(own, Replicate) and isinstance(other, Shard) else own
+                           for own, other in zip(x.placements, work_placements))
+        return x.to_local().view_as(x.to_local())
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        mesh = ctx.mesh
-        pairs = [(result, grad.redistribute(mesh, placements).to_local())
-                 for result, grad, (placements, _) in zip(ctx.results, grads, ctx.outputs) if grad is not None]
-        wanted = [index for index, local in enumerate(ctx.locals) if local.requires_grad]
-        local_grads = torch.autograd.grad([result for result, _ in pairs], [ctx.locals[index] for index in wanted],
-                                          [grad for _, grad in pairs], allow_unused=True)
-        input_grads = [None] * len(ctx.inputs)
-        for index, local_grad in zip(wanted, local_grads):
-            tensor = ctx.inputs[index]
-            if local_grad is None:
-                continue
-            # A replicated input read by sharded work: each rank's gradient is its part of the sum.
-            summed = tuple(Partial() if isinstance(own, Replicate) and isinstance(other, Shard) else own
-                           for own, other in zip(tensor.placements, ctx.work_placements))
-            input_grads[index] = _placed(local_grad, mesh, summed, tensor.shape)
-            if summed != tuple(tensor.placements):
-                input_grads[index] = input_grads[index].redistribute(mesh, tensor.placements)
-        return None, None, None, None, *input_grads
+    def backward(ctx, grad):
+        placed = _placed(grad, ctx.mesh, ctx.summed, ctx.shape)
+        return (placed if ctx.summed == ctx.placements else placed.redistribute(ctx.mesh, ctx.placements)), None
+
+
+class _Placed(torch.autograd.Function):
+    """The DTensor of shard ``local`` of a contiguous tensor of ``shape``, placed on ``mesh``:
+    its gradient is the incoming one's shard in those placements (see :class:`_LocalShard`)."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape):
+        ctx.mesh, ctx.placements = mesh, placements
+        return _placed(local, mesh, placements, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if tuple(grad.placements) != tuple(ctx.placements):
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad.to_local(), None, None, None
 
 
 def _placed(local: torch.Tensor, mesh, placements, shape):
@@ -259,14 +256,29 @@ def on_local_shards(function: Callable, mesh, work_placements, outputs: Sequence
     ``mesh`` as ``outputs`` say (``(placements, global shape)`` each), differentiable: each rank
     differentiates its local computation. ``work_placements`` say which mesh dims split the work
     (``Shard``): an input replicated on such a dim gets the sum of the ranks' gradients."""
-    return _OnLocalShards.apply(function, mesh, tuple(work_placements),
-                                tuple((tuple(placements), tuple(shape)) for placements, shape in outputs), *inputs)
+    outputs = [(tuple(placements), tuple(shape)) for placements, shape in outputs]
+    work_placements = tuple(work_placements)
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
+        results = function(*(_LocalShard.apply(tensor, work_placements) for tensor in inputs))
+
+        def place(local, placements, shape):
+            return _Placed.apply(local, mesh, placements, shape)
+    else:  # (no autograd Function without a gradient: dynamo 2.9 traces their apply without its ctx there)
+        results = function(*(tensor.to_local() for tensor in inputs))
+        def place(local, placements, shape):
+            return _placed(local, mesh, placements, shape)
+    placed = tuple(place(result, placements, shape)
+                   for result, (placements, shape) in zip(results if isinstance(results, tuple) else (results,),
+                                                          outputs))
+    return placed if isinstance(results, tuple) else placed[0]
 
 
 def shardwise(x, residual, forward: Callable, adjoint: Callable):
     """``forward(x, residual)`` (``residual`` a DTensor or ``None``), a DTensor computed from the
     local shards (:func:`map_noise_blocks`, :func:`map_channels`) and linear in ``x``,
     differentiable: ``x``'s gradient is ``adjoint(grad)``, ``residual``'s ``grad``."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual))):
+        return forward(x, residual)  # (as on_local_shards: no autograd Function without a gradient)
     return _Shardwise.apply(x, residual, forward, adjoint)
 
 

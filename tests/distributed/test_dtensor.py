@@ -97,6 +97,8 @@ PRODUCTS = {
 for name, (operands, impl, out_placements, fused, exact) in PRODUCTS.items():
     CASES[2][f"{name}-mesh(2,)"] = dict(op=name.split("-")[0], operands=[(n, *o) for n, o in operands.items()],
                                         impl=impl, out_placements=out_placements, fused=fused, exact=exact, mesh=(2,))
+CASES[2]["dropout_linear-rows-compiled-fullgraph-mesh(2,)"] = dict(
+    CASES[2]["dropout_linear-rows-mesh(2,)"], compiled=True)
 CASES[2]["dropout_matmul-rows-tiled-refused-mesh(2,)"] = dict(
     op="dropout_matmul", operands=[(WEIGHTS, (4, 2, 16, 16), [Shard(2)]), (VALUE, (4, 2, 16, 8), [Replicate()])],
     impl="tiled", raises='pass impl="threefry"', mesh=(2,))
