@@ -19,14 +19,12 @@ same seed, as ``train_tensor_parallel.py`` does: losses and gradients agree to f
 import functools
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_tensor_parallel import train_side_by_side  # noqa: E402  (the side-by-side training)
+from train_tensor_parallel import launch, train_side_by_side  # noqa: E402  (the processes, the training)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -178,25 +176,6 @@ def train(mesh, steps: int = 3, check_gradients: bool = False):
                               vocabulary=VOCABULARY, full_gradient=full_gradient)
 
 
-def main(rank: int, world: int, init_method: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        for step, (loss, single) in enumerate(train(mesh)):
-            if rank == 0:
-                print(f"step {step}: loss {loss:.6f}   one process, the same half and seed: {single:.6f}")
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # started by torchrun
-        main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
-    else:
-        import torch.multiprocessing
-
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        torch.multiprocessing.spawn(main, args=(4, f"file://{store}"), nprocs=4)
-        sys.exit(0)
+    launch(train)
+    sys.exit(0)

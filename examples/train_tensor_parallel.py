@@ -160,7 +160,8 @@ def train_side_by_side(mesh, model, parallelize, *, steps: int, check_gradients:
     return losses
 
 
-def main(rank: int, world: int, init_method: str) -> None:
+def main(rank: int, world: int, init_method: str, train=train) -> None:
+    """One process of the run: its share of ``train`` on a (2, world / 2) mesh ("dp", "tp")."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
@@ -173,12 +174,17 @@ def main(rank: int, world: int, init_method: str) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def launch(train=train) -> None:
+    """Runs ``train`` in 4 processes, or in this one as a rank of torchrun's."""
     if "RANK" in os.environ:  # started by torchrun
-        main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
+        main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", train)
     else:
         import torch.multiprocessing
 
         store = os.path.join(tempfile.mkdtemp(), "store")
-        torch.multiprocessing.spawn(main, args=(4, f"file://{store}"), nprocs=4)
-        sys.exit(0)
+        torch.multiprocessing.spawn(main, args=(4, f"file://{store}", train), nprocs=4)
+
+
+if __name__ == "__main__":
+    launch()
+    sys.exit(0)

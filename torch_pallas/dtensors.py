@@ -259,15 +259,10 @@ def on_local_shards(function: Callable, mesh, work_placements, outputs: Sequence
     outputs = [(tuple(placements), tuple(shape)) for placements, shape in outputs]
     work_placements = tuple(work_placements)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-        results = function(*(_LocalShard.apply(tensor, work_placements) for tensor in inputs))
-
-        def place(local, placements, shape):
-            return _Placed.apply(local, mesh, placements, shape)
+        results, place = function(*(_LocalShard.apply(tensor, work_placements) for tensor in inputs)), _Placed.apply
     else:  # (no autograd Function without a gradient: dynamo 2.9 traces their apply without its ctx there)
-        results = function(*(tensor.to_local() for tensor in inputs))
-        def place(local, placements, shape):
-            return _placed(local, mesh, placements, shape)
-    placed = tuple(place(result, placements, shape)
+        results, place = function(*(tensor.to_local() for tensor in inputs)), _placed
+    placed = tuple(place(result, mesh, placements, shape)
                    for result, (placements, shape) in zip(results if isinstance(results, tuple) else (results,),
                                                           outputs))
     return placed if isinstance(results, tuple) else placed[0]

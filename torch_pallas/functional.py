@@ -196,39 +196,40 @@ class DrawnDropout(NamedTuple):
         return torch.matmul(self.output(), value)
 
 
-def fuses_matmul(drawn: DrawnDropout, value) -> bool:
-    """Whether ``drawn``'s output times ``value`` runs as one dropout_matmul kernel: weights
-    ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` of one batch (no broadcasting), dtype
-    (a kernel's: not float64) and device, a mask over the whole unsharded weights."""
+def _matmul_kernel_takes(drawn: DrawnDropout, value) -> bool:
+    """Whether a dropout_matmul kernel takes ``drawn``'s input times ``value``: weights
+    ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` of one batch (no broadcasting) and dtype
+    (a kernel's: not float64), a mask not shared over the first dim."""
     weights = drawn.x
-    if not (isinstance(value, torch.Tensor) and value.dtype == weights.dtype and value.device == weights.device
-            and not bridge.is_dtensor(weights) and not bridge.is_dtensor(value)
-            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim and drawn.sharding_text is None
-            and sharding.resolve(value) is None):
+    if not (isinstance(value, torch.Tensor) and value.dtype == weights.dtype and weights.dtype in _checks.FLOAT_DTYPES
+            and not drawn.shared_over_first_dim):
         return False
     try:
         check_matmul_shapes(weights.shape, value.shape)
     except ValueError:
         return False
     return True
+
+
+def fuses_matmul(drawn: DrawnDropout, value) -> bool:
+    """Whether ``drawn``'s output times ``value`` runs as one dropout_matmul kernel: a pair the
+    kernel takes (:func:`_matmul_kernel_takes`) on one device, a mask over the whole unsharded
+    weights."""
+    weights = drawn.x
+    return (_matmul_kernel_takes(drawn, value) and value.device == weights.device and not bridge.is_dtensor(weights)
+            and not bridge.is_dtensor(value) and drawn.sharding_text is None and sharding.resolve(value) is None)
 
 
 def matmul_of_shards_fuses(drawn: DrawnDropout, value) -> bool:
     """Whether ``drawn``'s output times ``value``, DTensors, runs as a dropout_matmul kernel on
-    each rank's shards: :func:`fuses_matmul`'s pair, placed alike, split over batch dims only."""
+    each rank's shards: a pair the kernel takes, placed alike, split over batch dims only."""
     weights = drawn.x
-    if not (bridge.is_dtensor(weights) and bridge.is_dtensor(value) and value.device_mesh == weights.device_mesh
-            and value.placements == weights.placements and value.dtype == weights.dtype
-            and weights.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
-            and all(isinstance(placement, dtensors.Replicate) or (type(placement) is dtensors.Shard
-                                                                  and placement.dim % weights.dim() < weights.dim() - 2)
-                    for placement in weights.placements)):
-        return False
-    try:
-        check_matmul_shapes(weights.shape, value.shape)
-    except ValueError:
-        return False
-    return True
+    return (bridge.is_dtensor(weights) and bridge.is_dtensor(value) and value.device_mesh == weights.device_mesh
+            and value.placements == weights.placements
+            and all(isinstance(placement, dtensors.Replicate)
+                    or (type(placement) is dtensors.Shard and placement.dim % weights.dim() < weights.dim() - 2)
+                    for placement in weights.placements)
+            and _matmul_kernel_takes(drawn, value))
 
 
 def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
