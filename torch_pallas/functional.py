@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -142,7 +143,8 @@ class DrawnDropout(NamedTuple):
         if self.key_data is None or not fuses_linear(self, weight, narrow):
             return torch.nn.functional.linear(self.output(), weight, bias)
         x = self.x if narrow is None else narrow
-        out = dropout_linear_ops.apply(x, weight, self.key_data, p=self.p, impl=self.impl)
+        out = dropout_linear_ops.apply(x, weight, self.key_data, p=self.p, impl=self.impl,
+                                       sharding_text=self.sharding_text)
         return out if bias is None else out + bias
 
     def _linear_of_shards(self, weight) -> torch.Tensor | None:
@@ -245,8 +247,23 @@ def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == x.dtype
             and weight.device == x.device and not bridge.is_dtensor(x) and not bridge.is_dtensor(weight)
             and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
-            and drawn.sharding_text is None and sharding.resolve(weight) is None
-            and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl))
+            and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl)
+            and (drawn.sharding_text is None or _shards_of_rows(drawn.sharding_text, tuple(x.shape), drawn.impl)))
+
+
+def _shards_of_rows(sharding_text: str, shape: tuple, impl: str) -> bool:
+    """Whether an SPMD sharding of ``x`` of ``shape`` gives each device a block of its rows that
+    the dropout_linear kernels draw the mask of (the weight is gathered whole onto each device):
+    one dim split, all before it of size 1, and each shard's first row one the mask can start
+    at (:func:`kernels.dropout_linear.row_tile`)."""
+    split = Sharding.parse(sharding_text, len(shape))
+    if split is None or split.tiles[-1] > 1 or sum(tiles > 1 for tiles in split.tiles) != 1:
+        return False
+    dim = dropout_linear_ops.split_dim(split)
+    local = split.shard_shape(shape)
+    rows = math.prod(local[:-1])
+    return (math.prod(shape[:dim]) == 1 and rows % dropout_linear_kernels.row_tile(shape, impl) == 0
+            and dropout_linear_kernels.takes_rows(local, shape, 0, impl))
 
 
 def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shared_over_first_dim: bool,

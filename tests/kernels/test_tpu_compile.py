@@ -378,6 +378,23 @@ def test_dropout_linear(generation, impl, dtype, names=tuple(DROPOUT_LINEAR_SHAP
                  generation=generation)
 
 
+def _dropout_linear_on_shard(key_data, offsets, x, weight, *, global_shape, **options):
+    shard = dict(global_shape=global_shape, shard_offset=offsets.reshape(2), interpret=False, **options)
+    out = dropout_linear.dropout_linear_forward(key_data, x, weight, **shard)
+    return out, *dropout_linear.dropout_linear_backward_weight_rows(key_data, x, weight, out, **shard)
+
+
+def test_dropout_linear_per_shard_on_a_2x2_topology(generation, impl="tiled"):
+    """FSDPv2's LoRA input: (16, 256, 1024) split along the batch over both mesh axes, its first
+    row data (:func:`dropout_linear._with_first_row`), the rank-16 weight whole."""
+    shape, spec = (16, 256, 1024), P(("data", "model"), None, None)
+    offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
+    kernel = functools.partial(_dropout_linear_on_shard, global_shape=shape, p=0.1, impl=impl)
+    assert compile_sharded_for_tpu(kernel, (P(), OFFSETS_SPEC, spec, P()), (spec, spec, P(("data", "model"))),
+                                   KEY, offsets, jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                                   jax.ShapeDtypeStruct((16, 1024), jnp.float32), generation=generation)
+
+
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,
 # lengths, sharded programs (tensors past 2**32 elements included) and attention's masks. Attention's
 # planes and heads in lanes at 197 tokens are the tiled configurations' (the hardware impl's per-tile
@@ -401,7 +418,8 @@ REPRESENTATIVE = {
                                      test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
     "dropout_matmul": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",)),
     "dropout_linear": lambda generation: (test_dropout_linear(generation, "threefry", "bfloat16", ("lora",)),
-                                          test_dropout_linear(generation, "hardware", "float32", ("ragged",))),
+                                          test_dropout_linear(generation, "hardware", "float32", ("ragged",)),
+                                          test_dropout_linear_per_shard_on_a_2x2_topology(generation)),
 }
 
 

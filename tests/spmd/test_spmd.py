@@ -102,6 +102,52 @@ def test_dropout_forward_and_backward_run_per_shard_without_all_gather(impl, sha
     assert modules and all_gather_sizes(modules) == []
 
 
+# (x's shape, its partition spec on the 2x2 mesh, the weight's, impl): FSDPv2's batch split over
+# both mesh axes with its sharded weight, LoRA's skinny rank; rows over one axis (replicated over
+# the other), threefry, a weight whole.
+LINEAR_CASES = [((16, 64, 256), (("data", "model"), None, None), ("data", None), "tiled"),
+                ((4, 256, 128), ("data", None, None), None, "threefry")]
+
+
+@pytest.mark.parametrize("shape,spec,weight_spec,impl", LINEAR_CASES, ids=["fsdp-v2-tiled", "rows-threefry"])
+def test_dropout_linear_runs_per_shard_with_the_unsharded_mask(shape, spec, weight_spec, impl):
+    """docs/lora.md: the fused kernels on each device's rows (one op call: no unfused dropout), the
+    weight gathered whole, no activation gathered; the output and x's gradient equal the
+    unsharded fused call's, the weight's gradient (the shards' sums, summed in order) within
+    float32 rounding."""
+    from torch_pallas.ops import dropout_linear as dropout_linear_ops
+
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(shape, generator=generator), torch.randn(16, shape[-1], generator=generator) / 16
+
+    def run(x, weight_spec=None):
+        x.requires_grad_(True)
+        w = weight.to(DEVICE).requires_grad_(True)
+        if weight_spec is not None:
+            xs.mark_sharding(w, mesh_of("2x2"), weight_spec)
+        out = torch_pallas.dropout_linear(x, w, p=0.3, seed=3, impl=impl)
+        out.square().sum().backward()
+        return out, x.grad, w.grad
+
+    expected = [t.cpu() for t in run(x.to(DEVICE))]
+    x_sharded = sharded(x, mesh_of("2x2"), spec)
+    calls, apply = [], dropout_linear_ops.apply
+    dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
+    compiled_modules(lambda: torch_xla.sync())  # the inputs' transfer
+    try:
+        got = run(x_sharded, weight_spec)
+    finally:
+        dropout_linear_ops.apply = apply
+    assert [call["sharding_text"] for call in calls] == [spec_of(x_sharded)]
+    # Only the weight and its gradient's rows (one per shard) are gathered, never activations.
+    assert all(size <= 4 * weight.numel() for size in all_gather_sizes(compiled_modules(lambda: torch_xla.sync())))
+    out, grad_x, grad_w = got
+    assert spec_of(grad_x) == spec_of(x_sharded)
+    for name, a, b in zip(("output", "grad x"), (out, grad_x), expected):
+        assert torch.equal(a.cpu(), b), name
+    torch.testing.assert_close(grad_w.cpu(), expected[2], rtol=1e-5, atol=1e-5 * float(expected[2].abs().max()))
+
+
 # (mesh, x's partition spec, the weight's): a weight sharded over the batch's axis is FSDP's.
 # Batch, features, both, and the weight sharded too.
 INDRNN_CASES = [("4x1", (None, "data", None), None), ("1x4", (None, None, "model"), None),

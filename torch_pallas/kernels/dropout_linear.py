@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -125,11 +126,29 @@ def _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row):
     if global_shape is None and not takes(x.shape, impl):
         raise ValueError(f"impl={impl!r} does not draw the mask of x of shape {tuple(x.shape)} over its (M, K) rows "
                          "(see dropout_linear.takes): run dropout and the product apart")
-    if global_shape is not None and not takes_rows(x.shape, global_shape, first_row, impl):
-        raise ValueError(f"impl={impl!r} does not draw, for x of shape {tuple(x.shape)} at row {first_row} of the "
+    # A shard's first row is data (shard_offset): each shard's is a multiple of its rows.
+    row = _rows(x.shape)[0] if first_row is None else first_row
+    if global_shape is not None and not takes_rows(x.shape, global_shape, row, impl):
+        raise ValueError(f"impl={impl!r} does not draw, for x of shape {tuple(x.shape)} at row {row} of the "
                          f"rows of a tensor of shape {tuple(global_shape)}, its part of that tensor's mask (see "
                          "dropout_linear.takes_rows): run dropout and the product apart")
     return p, prng.key_words(key_data, impl)
+
+
+def _with_first_row(words, first_row, shard_offset, K: int):
+    """The kernels' SMEM words and their static first row: with ``shard_offset`` (a shard's
+    ``[high, low]`` flat offset words) the first row is data, appended to the key's words
+    (``None`` returned in its place)."""
+    if shard_offset is None:
+        return words, first_row
+    # The whole tensor's rows hold fewer than 2**32 elements (takes): the high word is 0.
+    row = (shard_offset.reshape(2)[1].astype(jnp.uint32) // np.uint32(K)).astype(jnp.int32)
+    return jnp.concatenate([words, row[None]]), None
+
+
+def _first_row(key_ref, first_row):
+    """The kernels' first row: static, or the data after the key's words (:func:`_with_first_row`)."""
+    return key_ref[key_ref.shape[0] - 1] if first_row is None else first_row
 
 
 def _chunk(key_ref, x_ref, w_ref, row, col, row0, col0, *, impl, keep_probability, K, chunk):
@@ -177,8 +196,9 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def body(row, col):
-        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, first_row + i * block[0] + row,
-                                     k * block[1] + col, impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
+        row0 = _first_row(key_ref, first_row) + i * block[0] + row
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, row0, k * block[1] + col, impl=impl,
+                                     keep_probability=keep_probability, K=K, chunk=chunk)
         dropped = kept_values(keep, x, keep_probability).astype(x.dtype)
         acc_ref[rows, :] += _dot(dropped, w_ref[cols, :], interpret)
 
@@ -190,7 +210,7 @@ def _forward_kernel(key_ref, x_ref, w_ref, out_ref, acc_ref, *, impl, keep_proba
 
 
 def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
-                           global_shape=None, first_row: int = 0):
+                           global_shape=None, first_row: int = 0, shard_offset: jax.Array | None = None):
     """``dropout(x, p) @ weight.T`` in one kernel (see the module docstring).
 
     Args:
@@ -203,6 +223,9 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
         global_shape, first_row: ``x`` is the rows from ``first_row`` on of the ``(M, K)``
             rows of a tensor of ``global_shape`` (a DTensor's local shard), and is dropped with
             its part of that tensor's mask (:func:`takes_rows`).
+        shard_offset: int32 ``[high, low]`` words of the flat index of ``x``'s first element
+            in a tensor of ``global_shape``, as data (an SPMD shard, split along its rows
+            into shards of ``x``'s rows), in place of ``first_row``.
 
     Returns:
         ``(..., N)`` in the weight's dtype.
@@ -215,9 +238,12 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
     if x.dtype == jnp.float16:
         wide_x, wide_w = tiling.widen_float16(x, weight)
         return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl, interpret=interpret,
-                                      global_shape=global_shape, first_row=first_row).astype(weight.dtype)
+                                      global_shape=global_shape, first_row=first_row,
+                                      shard_offset=shard_offset).astype(weight.dtype)
+    first_row = None if shard_offset is not None else first_row
     p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
     M, K = _rows(x.shape)
+    words, first_row = _with_first_row(words, first_row, shard_offset, K)
     N = weight.shape[0]
     block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
     grid = (pl.cdiv(M, block_rows), K // block_cols)
@@ -256,7 +282,8 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
 
     def body(row, col):
         row0 = i * block[0] + row
-        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, first_row + row0, k * block[1] + col,
+        rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, _first_row(key_ref, first_row) + row0,
+                                     k * block[1] + col,
                                      impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
         g = g_ref[rows, :]
         grad_dropped = _dot(g, w_ref[:, cols], interpret).astype(x.dtype)
@@ -272,8 +299,16 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
     _walk(block, chunk, body)
 
 
+def dropout_linear_backward_weight_rows(*args, **options):
+    """:func:`dropout_linear_backward` on one SPMD shard of ``x``'s rows, the weight's gradient as
+    a ``(1, N, K)`` row: the shards' rows are summed afterwards in a fixed order."""
+    grad_x, grad_w = dropout_linear_backward(*args, **options)
+    return grad_x, grad_w[None]
+
+
 def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: str = prng.DROPOUT_DEFAULT,
-                            interpret: bool, global_shape=None, first_row: int = 0):
+                            interpret: bool, global_shape=None, first_row: int = 0,
+                            shard_offset: jax.Array | None = None):
     """The gradients of :func:`dropout_linear_forward` with respect to ``x`` and ``weight``,
     given the same key and options and the output's gradient ``(..., N)``, in one kernel that
     regenerates the mask.
@@ -285,10 +320,13 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     if x.dtype == jnp.float16:
         wide_x, wide_w, wide_g = tiling.widen_float16(x, weight, grad_out)
         grad_x, grad_w = dropout_linear_backward(key_data, wide_x, wide_w, wide_g, p=p, impl=impl,
-                                                 interpret=interpret, global_shape=global_shape, first_row=first_row)
+                                                 interpret=interpret, global_shape=global_shape, first_row=first_row,
+                                                 shard_offset=shard_offset)
         return grad_x.astype(x.dtype), grad_w
+    first_row = None if shard_offset is not None else first_row
     p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
     M, K = _rows(x.shape)
+    words, first_row = _with_first_row(words, first_row, shard_offset, K)
     N = weight.shape[0]
     block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
     # The weight's gradient sums over every row: the rows are the inner, sequential axis.
