@@ -183,12 +183,13 @@ class DrawnDropout(NamedTuple):
         rank's shards of DTensors split over batch dims (:func:`matmul_of_shards_fuses`)."""
         if self.key_data is not None and matmul_of_shards_fuses(self, value):
             weights = self.x
-            local_shape, offset = dtensors.local_block(tuple(weights.shape), weights.device_mesh, weights.placements)
+            _, offset = dtensors.local_block(tuple(weights.shape), weights.device_mesh, weights.placements)
             batch = tuple(weights.shape[:-2])
+            first_plane = dtensors.flat_offset(offset[:-2], batch)
 
             def matmul_of_block(weights, value):
                 return dropout_matmul_ops.apply(weights, value, self.key_data, p=self.p, impl=self.impl,
-                                                global_batch=batch, global_offset=dtensors.flat_offset(offset[:-2], batch))
+                                                global_batch=batch, global_offset=first_plane)
 
             return dtensors.on_local_shards(matmul_of_block, weights.device_mesh, weights.placements,
                                             [(weights.placements, (*weights.shape[:-1], value.shape[-1]))], weights,
