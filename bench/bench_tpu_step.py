@@ -134,6 +134,17 @@ def _llama_lora(transformers, torch, attention, layers, tokens=1024, kv_heads=16
     return model, dict(input_ids=ids, labels=ids)
 
 
+def _gpt2_lora(transformers, torch, attention, layers, tokens=1024):
+    """GPT-2 small with PEFT's LoRA (rank 16 on its ``Conv1D`` attention and MLP projections,
+    ``fan_in_fan_out``, lora_dropout p; the adapters in float32) over its own dropouts."""
+    import peft
+
+    model, batch = _gpt2(transformers, torch, attention, layers, tokens)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=P, fan_in_fan_out=True,
+                                                       target_modules=["c_attn", "c_proj", "c_fc"]))
+    return model, batch
+
+
 MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024 tokens, language-model loss", _gpt2),
           "gpt2-128": ("GPT-2 small at 8 x 128 tokens", functools.partial(_gpt2, tokens=128)),
           "bert": ("BERT-base: width 768, 12 heads, 8 x 512 tokens, masked-LM loss on every token", _bert),
@@ -142,7 +153,11 @@ MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024
           "t5": ("T5-base widths: d_model 768, 12 heads, d_ff 3072, 8 x 512 input and 8 x 128 target tokens", _t5),
           "llama-lora": ("Llama-style, bfloat16: width 1024, 16 heads, MLP 2816, vocabulary 32000, 4 x 1024 "
                          "tokens, PEFT LoRA r=16 on q, k, v, o, gate, up, down", _llama_lora),
-          "llama-gqa-lora": ("llama-lora with 4 key-value heads (GQA)", functools.partial(_llama_lora, kv_heads=4))}
+          "llama-gqa-lora": ("llama-lora with 4 key-value heads (GQA)", functools.partial(_llama_lora, kv_heads=4)),
+          "llama-lora-512": ("llama-lora at 4 x 512 tokens", functools.partial(_llama_lora, tokens=512)),
+          "llama-lora-2048": ("llama-lora at 4 x 2048 tokens", functools.partial(_llama_lora, tokens=2048)),
+          "gpt2-lora": ("GPT-2 small at 8 x 1024 tokens with PEFT LoRA r=16 on c_attn, c_proj, c_fc "
+                        "(fan_in_fan_out) over its own dropouts", _gpt2_lora)}
 
 
 def stack() -> str:
