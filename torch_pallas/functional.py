@@ -237,9 +237,10 @@ def matmul_of_shards_fuses(drawn: DrawnDropout, value) -> bool:
 
 def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
     """Whether ``F.linear(drawn.output(), weight)`` runs as one dropout_linear kernel: a 2-D
-    weight of the input's dtype (a kernel's: not float64) and device, a mask over the whole
-    unsharded input, drawn over its rows (:func:`kernels.dropout_linear.takes`); with ``narrow``,
-    the 16-bit tensor whose ``.to(float32)`` the input is, read in its place."""
+    weight of the input's dtype (a kernel's: not float64) and device, a mask drawn over the
+    input's rows (:func:`kernels.dropout_linear.takes`), the input and weight unsharded, or the
+    input split by SPMD into shards of its rows (:func:`_shards_of_rows`: a kernel per shard);
+    with ``narrow``, the 16-bit tensor whose ``.to(float32)`` the input is, read in its place."""
     x = drawn.x
     if narrow is not None and not (narrow.shape == x.shape and narrow.device == x.device
                                    and dropout_linear_kernels.widens(_checks.jax_dtype_name(narrow.dtype),
@@ -249,7 +250,8 @@ def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
             and weight.device == x.device and not bridge.is_dtensor(x) and not bridge.is_dtensor(weight)
             and x.dtype in _checks.FLOAT_DTYPES and not drawn.shared_over_first_dim
             and dropout_linear_kernels.takes(tuple(x.shape), drawn.impl)
-            and (drawn.sharding_text is None or _shards_of_rows(drawn.sharding_text, tuple(x.shape), drawn.impl)))
+            and (sharding.resolve(weight) is None if drawn.sharding_text is None
+                 else _shards_of_rows(drawn.sharding_text, tuple(x.shape), drawn.impl)))
 
 
 def _shards_of_rows(sharding_text: str, shape: tuple, impl: str) -> bool:
