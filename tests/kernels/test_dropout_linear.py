@@ -127,3 +127,17 @@ def test_a_block_of_rows_gets_its_part_of_the_whole_mask(impl):
         with pytest.raises(ValueError, match="takes_rows"):
             dropout_linear.dropout_linear_forward(KEY, rows[8:16], weight, p=0.3, impl=impl, interpret=True,
                                                   global_shape=x.shape, first_row=8)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_backward_over_two_halves_of_the_rows_is_the_whole_ones(monkeypatch, impl):
+    """The compiled kernels' layout, forced here (interpret mode takes every row in one block):
+    four blocks of rows, two halves of them a parallel axis, each with its own sum of the
+    weight's gradient, added after: x's gradient bit for bit, the weight's within rounding."""
+    x, weight, grad_out = _case((1024, 256), 16, jnp.float32)
+    whole = dropout_linear.dropout_linear_backward(KEY, x, weight, grad_out, p=0.3, impl=impl, interpret=True)
+    layout = dropout_linear._layout
+    monkeypatch.setattr(dropout_linear, "_layout", lambda *args: (256, *layout(*args)[1:]))
+    halves = dropout_linear.dropout_linear_backward(KEY, x, weight, grad_out, p=0.3, impl=impl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(halves[0]), np.asarray(whole[0]))
+    np.testing.assert_allclose(np.asarray(halves[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-4)

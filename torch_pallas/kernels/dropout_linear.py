@@ -271,17 +271,17 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
 
 
 def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, impl, keep_probability, M, K, chunk,
-                     first_row, interpret):
-    k, i = pl.program_id(0), pl.program_id(1)
+                     first_row, per_half, interpret):
+    half, k, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = x_ref.shape
 
-    # The weight's gradient block stays in VMEM across the rows (the inner axis): it is the sum.
+    # The weight's gradient block stays in VMEM across the half's rows (the inner axis): its sum.
     @pl.when(i == 0)
     def _():
         grad_w_ref[...] = jnp.zeros(grad_w_ref.shape, jnp.float32)
 
     def body(row, col):
-        row0 = i * block[0] + row
+        row0 = (half * per_half + i) * block[0] + row
         rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, _first_row(key_ref, first_row) + row0,
                                      k * block[1] + col,
                                      impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
@@ -329,27 +329,37 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     words, first_row = _with_first_row(words, first_row, shard_offset, K)
     N = weight.shape[0]
     block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
-    # The weight's gradient sums over every row: the rows are the inner, sequential axis.
-    grid = (K // block_cols, pl.cdiv(M, block_rows))
+    # The weight's gradient sums over every row: the rows are the inner, sequential axis. Two
+    # halves of them, where they split into whole blocks, are a parallel axis with a sum each
+    # (added after): LoRA's K of 1024 is one block of columns, which alone would leave a
+    # megacore's second TensorCore idle (bench/results/tpu_cost_lora.md).
+    row_blocks = pl.cdiv(M, block_rows)
+    halves = 2 if row_blocks % 2 == 0 else 1
+    per_half = row_blocks // halves
+    grid = (halves, K // block_cols, per_half)
     x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(weight.dtype)
-    out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((N, K), jnp.float32))
+    out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((halves, N, K), jnp.float32))
     kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
-                               K=K, chunk=tuple(chunk), first_row=first_row, interpret=interpret)
+                               K=K, chunk=tuple(chunk), first_row=first_row, per_half=per_half, interpret=interpret)
+
+    def rows(h, i):
+        return h * per_half + i
+
     grad_x, grad_w = calls.pallas_call(
         kernel,
         name=calls.kernel_name("dropout_linear", "bwd", impl, blocks=(block_rows, block_cols)),
         cost_estimate=calls.cost_estimate(
-            bytes_accessed=calls.nbytes(x2, weight, *out_shapes) + grid[0] * calls.nbytes(g2) + 8,
+            bytes_accessed=calls.nbytes(x2, weight, *out_shapes) + grid[1] * calls.nbytes(g2) + 8,
             flops=M * K * (4 * N + 2 * _MASK_FLOPS + prng.noise_ops(impl, prng.DROPOUT_BITS))),
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((block_rows, block_cols), lambda k, i: (i, k)),
-                  pl.BlockSpec((N, block_cols), lambda k, i: (0, k)),
-                  pl.BlockSpec((block_rows, N), lambda k, i: (i, 0))],
-        out_specs=[pl.BlockSpec((block_rows, block_cols), lambda k, i: (i, k)),
-                   pl.BlockSpec((N, block_cols), lambda k, i: (0, k))],
+                  pl.BlockSpec((block_rows, block_cols), lambda h, k, i: (rows(h, i), k)),
+                  pl.BlockSpec((N, block_cols), lambda h, k, i: (0, k)),
+                  pl.BlockSpec((block_rows, N), lambda h, k, i: (rows(h, i), 0))],
+        out_specs=[pl.BlockSpec((block_rows, block_cols), lambda h, k, i: (rows(h, i), k)),
+                   pl.BlockSpec((None, N, block_cols), lambda h, k, i: (h, 0, k))],
         out_shape=out_shapes,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(words, x2, weight, g2)
-    return grad_x.reshape(x.shape), grad_w
+    return grad_x.reshape(x.shape), grad_w.sum(0)
