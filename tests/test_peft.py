@@ -1,4 +1,4 @@
-"""PEFT's LoRA as a client, on the lazy XLA device: under route_dropout(fuse_matmul=True) every
+"""PEFT's LoRA as a client, on the lazy XLA device: under route_dropout() every
 ``lora_A(lora_dropout(x))`` runs as one dropout_linear kernel with the unfused call's masks (a
 Llama-style model with GQA, and GPT-2, whose Conv1D base layers PEFT adapts with
 ``fan_in_fan_out``), routed or converted; a converted LoRA model trains and the same XLA seed
@@ -50,7 +50,7 @@ def step(model, fuse: bool):
     dtype of each one's second operand (what it drops: ``bf16``, ``f32``)."""
     model.zero_grad(set_to_none=True)
     torch_xla.manual_seed(0)
-    with torch_pallas.route_dropout(fuse_matmul=fuse):
+    with torch_pallas.route_dropout(fuse_linear=fuse):
         batch = ids()
         loss = model(input_ids=batch, labels=batch).loss
     shapes, calls = kernel_calls(loss)
@@ -92,7 +92,7 @@ def test_a_converted_lora_model_trains_and_the_same_seed_repeats_the_run():
         losses = []
         for seed in range(4):
             torch_xla.manual_seed(seed)
-            with torch_pallas.route_dropout(fuse_matmul=True):
+            with torch_pallas.route_dropout():
                 batch = ids()
                 loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -121,7 +121,7 @@ def test_checkpointed_lora_layers_recompute_their_forward_masks():
         model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).to(DEVICE).train()
         checkpoint_function(model)
         torch_xla.manual_seed(0)
-        with torch_pallas.route_dropout(fuse_matmul=True):
+        with torch_pallas.route_dropout():
             batch = ids()
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -165,7 +165,7 @@ def test_trainer_trains_a_converted_lora_model_on_the_xla_device(tmp_path, monke
                                               save_strategy="no")
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
         torch_xla.manual_seed(xla_seed)
-        with torch_pallas.route_dropout(fuse_matmul=True):
+        with torch_pallas.route_dropout():
             trainer.train()
         assert model.device.type == "xla"
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -103,8 +103,9 @@ def test_adds_it_cannot_fuse_are_left_to_torch():
     cpu = torch.ones(4, 128)  # eager CPU tensors: the dropout kernel has run already
     with torch_pallas.route_dropout(fuse_residual=True):
         assert not hasattr(F.dropout(cpu, 0.5), residual_fusion._DRAWN)
-    with pytest.raises(TypeError, match="fuse_residual must be True or False"):
-        torch_pallas.route_dropout(fuse_residual=1)
+    for name in ("fuse_residual", "fuse_matmul", "fuse_linear"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            torch_pallas.route_dropout(**{name: 1})
 
 
 def test_compiled_backend_fuses_fullgraph_with_the_unfused_numbers_and_compiles_once(monkeypatch):
@@ -187,7 +188,8 @@ LINEAR_DROPOUTS = {"routed": lambda: torch.nn.Dropout(0.5), "converted": lambda:
 
 @pytest.mark.parametrize("dropout", LINEAR_DROPOUTS)
 def test_linear_of_a_dropout_is_one_kernel_with_its_mask_values_and_gradients(dropout):
-    """The default impl (tiled): the fused kernel draws the dropout's own mask."""
+    """route_dropout's defaults (impl tiled, fuse_linear on): the fused kernel draws the
+    dropout's own mask."""
     x, weights = integers(2, 16, 256).requires_grad_(), integers(2, 16, 16)
     linear = torch.nn.Linear(256, 16).to(DEVICE)
     with torch.no_grad():
@@ -196,7 +198,7 @@ def test_linear_of_a_dropout_is_one_kernel_with_its_mask_values_and_gradients(dr
     results = {}
     for fuse in (False, True):
         torch_xla.manual_seed(3)
-        with torch_pallas.route_dropout(fuse_matmul=fuse):
+        with torch_pallas.route_dropout() if fuse else torch_pallas.route_dropout(fuse_linear=False):
             out = linear(LINEAR_DROPOUTS[dropout]()(x))
         _, calls = kernel_calls(out)
         # Fused: one kernel reading (key, x, weight), the dropout's own kernel dead.
@@ -204,6 +206,8 @@ def test_linear_of_a_dropout_is_one_kernel_with_its_mask_values_and_gradients(dr
         results[fuse] = [out, *torch.autograd.grad((out * weights).sum(), (x, linear.weight, linear.bias))]
     for unfused, fused in zip(*read_together(results[False], results[True])):
         assert torch.equal(unfused, fused)  # integers: every sum exact
+    with torch_pallas.route_dropout():  # eager CPU tensors: nothing to fuse, nothing remembered
+        assert not hasattr(LINEAR_DROPOUTS[dropout]()(x.cpu()), residual_fusion._DRAWN)
 
 
 SOFTMAX_FORMS = {
@@ -450,7 +454,10 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
     with torch_pallas.route_dropout(fuse_residual=True):
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
-    assert kernel_nodes(hidden) == {"dropout": standalone, "dropout_add": fused}
+    # T5's feed-forward wo(dropout(relu(wi(h)))): one dropout_linear kernel per layer (fuse_linear's default).
+    linears = 2 if make_model is t5 else 0
+    assert kernel_nodes(hidden, linear=True) == {"dropout": standalone - linears, "dropout_add": fused,
+                                                 "dropout_linear": linears}
 
 
 @needs_transformers

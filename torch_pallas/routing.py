@@ -75,20 +75,27 @@ class route_dropout(TorchFunctionMode):
             added mask of their dtype that broadcasts to them (BERT's, ViT's and GPT-2's eager
             attention), the whole attention runs
             as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
-            same mask), and nothing of size ``L x S`` is kept. Also ``F.linear`` (every
-            ``nn.Linear``) of such an output as :func:`torch_pallas.dropout_linear`: the
-            dropout's mask bit for bit on every impl, and autograd keeps the dropout's input,
-            not the dropped copy (PEFT's LoRA ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``;
-            where the dropout's input is a 16-bit tensor's ``.to(torch.float32)``, as PEFT's
-            float32 adapters cast a bfloat16 model's activations, the kernel reads the 16-bit
-            tensor);
-            converted :class:`torch_pallas.nn.Dropout` modules are fused as routed ``F.dropout``
-            calls are. For the attention products: with ``impl="threefry"``
-            the same mask; with ``impl="tiled"`` (the default) or ``"hardware"`` the mask is drawn per attention tile
+            same mask), and nothing of size ``L x S`` is kept. Converted
+            :class:`torch_pallas.nn.Dropout` modules are fused as routed ``F.dropout`` calls
+            are. With ``impl="threefry"`` the same mask; with ``impl="tiled"`` (the default) or
+            ``"hardware"`` the mask is drawn per attention tile
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
             Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s
             transforms. Default: ``False``.
+        fuse_linear (bool): run ``F.linear`` (every ``nn.Linear``) of a routed ``F.dropout`` /
+            ``torch.dropout`` output, or a converted :class:`torch_pallas.nn.Dropout`'s, as
+            :func:`torch_pallas.dropout_linear` with the dropout's key (PEFT's LoRA
+            ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``, a classifier head): the dropout's
+            mask bit for bit on every impl, the unfused calls' values and gradients (the
+            product accumulated in float32), and autograd keeps the dropout's input, not the
+            dropped copy. Where that input is a 16-bit tensor's ``.to(torch.float32)``, as
+            PEFT's float32 adapters cast a bfloat16 model's activations, the kernel reads the
+            16-bit tensor. On by default because it keeps torch's semantics and is never slower
+            where the layer is the dropout's only reader (docs/lora.md); a dropout output also
+            read elsewhere runs its own kernel too, and each fused layer draws the mask again.
+            Lazily run tensors only (torch_xla's lazy tensors, torchax's inside a JAX trace);
+            not under ``torch.compile`` or ``torch.func``'s transforms. Default: ``True``.
         fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
             output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
             ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)
@@ -102,7 +109,7 @@ class route_dropout(TorchFunctionMode):
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
-        TypeError: ``fuse_residual`` or ``fuse_matmul`` is not a bool.
+        TypeError: ``fuse_residual``, ``fuse_matmul`` or ``fuse_linear`` is not a bool.
 
     Example::
 
@@ -112,16 +119,26 @@ class route_dropout(TorchFunctionMode):
     """
 
     def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False,
-                 fuse_matmul: bool = False):
+                 fuse_matmul: bool = False, fuse_linear: bool = True):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
         self.attention = arguments.check_one_of("attention", attention, ATTENTION_ROUTES)
-        for name, value in (("fuse_residual", fuse_residual), ("fuse_matmul", fuse_matmul)):
+        for name, value in (("fuse_residual", fuse_residual), ("fuse_matmul", fuse_matmul),
+                            ("fuse_linear", fuse_linear)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
         self.fuse_residual = fuse_residual
         self.fuse_matmul = fuse_matmul
+        self.fuse_linear = fuse_linear
+
+    def _fuses(self, input: torch.Tensor) -> bool:
+        """Whether a dropout of ``input`` routed here runs as one whose reader may fuse it: with
+        ``fuse_residual`` or ``fuse_matmul``, or ``fuse_linear`` on a lazily run tensor (the
+        default leaves every other dropout as it was)."""
+        return (self.fuse_residual or self.fuse_matmul
+                or (self.fuse_linear and isinstance(input, torch.Tensor) and not torch.compiler.is_compiling()
+                    and bridge.runs_lazily(input)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -132,8 +149,7 @@ class route_dropout(TorchFunctionMode):
             input, p, training = call.args[:3]
             if input.is_floating_point() and bridge.runs_on(input.device):
                 inplace = call.arguments.get("inplace", False)
-                if ((self.fuse_residual or self.fuse_matmul) and ours is functional.dropout and not inplace
-                        and not bridge.is_dtensor(input)):
+                if ours is functional.dropout and not inplace and not bridge.is_dtensor(input) and self._fuses(input):
                     return residual_fusion.routed_dropout(input, p, training, self.impl)
                 return ours(input, p, training, inplace, impl=self.impl)
         elif ((self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS
@@ -143,9 +159,9 @@ class route_dropout(TorchFunctionMode):
                 return fused
             if self.fuse_matmul:
                 return residual_fusion.remembered_scores(func, args, kwargs)
-        elif self.fuse_matmul and func is torch.Tensor.to and not torch.compiler.is_compiling():
+        elif self.fuse_linear and func is torch.Tensor.to and not torch.compiler.is_compiling():
             return residual_fusion.remembered_widening(func, args, kwargs)
-        elif self.fuse_matmul and func is F.linear and not torch.compiler.is_compiling():
+        elif self.fuse_linear and func is F.linear and not torch.compiler.is_compiling():
             fused = residual_fusion.fused_linear(args, kwargs)
             if fused is not None:
                 return fused
@@ -173,16 +189,17 @@ class route_dropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def fusing_route() -> route_dropout | None:
-    """The innermost active :class:`route_dropout` if it fuses (``fuse_residual`` or
-    ``fuse_matmul``), for dropouts that are not torch functions (:class:`torch_pallas.nn.Dropout`)
-    to be fused as routed ones are; ``None`` outside one and while dynamo traces. Reads torch's
-    private ``torch.overrides._get_current_function_mode_stack`` (torch 2.9 to 2.14)."""
+def fusing_route(input: torch.Tensor) -> route_dropout | None:
+    """The innermost active :class:`route_dropout` if it fuses a dropout of ``input``
+    (``route_dropout._fuses``), for dropouts that are not torch functions
+    (:class:`torch_pallas.nn.Dropout`) to be fused as routed ones are; ``None`` outside one and
+    while dynamo traces. Reads torch's private
+    ``torch.overrides._get_current_function_mode_stack`` (torch 2.9 to 2.14)."""
     if torch.compiler.is_compiling():
         return None
     for mode in reversed(torch.overrides._get_current_function_mode_stack()):
         if isinstance(mode, route_dropout):
-            return mode if mode.fuse_residual or mode.fuse_matmul else None
+            return mode if mode._fuses(input) else None
     return None
 
 

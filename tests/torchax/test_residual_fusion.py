@@ -153,10 +153,10 @@ def test_traced_linear_of_a_dropout_is_one_kernel_with_the_unfused_values():
                                                                                                     (16, 256)))
     key = jax_view(torch_pallas.seeds.key_data(seed=3))
 
-    def lora_down(fuse_matmul):
+    def lora_down(fuse_linear):
         def down(x, weight, key):
             with ENV, torch_pallas.seeds.key_scope(torch_view(key)), \
-                    torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+                    torch_pallas.route_dropout(fuse_linear=fuse_linear):
                 return jax_view(F.linear(F.dropout(torch_view(x), 0.5), torch_view(weight)))
         return jax.jit(down)
 

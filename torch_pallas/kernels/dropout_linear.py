@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,29 @@ def _with_first_row(words, first_row, shard_offset, K: int):
     return jnp.concatenate([words, row[None]]), None
 
 
+class _Prepared(NamedTuple):
+    p: float
+    words: jax.Array  # the kernels' SMEM words (_with_first_row)
+    first_row: int | None
+    M: int
+    K: int
+    N: int
+    block: tuple[int, int]
+    chunk: tuple[int, int]
+
+
+def _prepared(key_data, x, weight, p, impl, interpret, global_shape, first_row, shard_offset) -> _Prepared:
+    """What both kernels start from: the arguments checked (:func:`_checked`), the SMEM words
+    with a shard's first row as data where ``shard_offset`` gives it, ``x``'s rows and the
+    blocks over them (:func:`_layout`)."""
+    first_row = None if shard_offset is not None else first_row
+    p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
+    M, K = _rows(x.shape)
+    words, first_row = _with_first_row(words, first_row, shard_offset, K)
+    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
+    return _Prepared(p, words, first_row, M, K, weight.shape[0], (block_rows, block_cols), tuple(chunk))
+
+
 def _first_row(key_ref, first_row):
     """The kernels' first row: static, or the data after the key's words (:func:`_with_first_row`)."""
     return key_ref[key_ref.shape[0] - 1] if first_row is None else first_row
@@ -240,17 +264,13 @@ def dropout_linear_forward(key_data, x, weight, *, p: float, impl: str = prng.DR
         return dropout_linear_forward(key_data, wide_x, wide_w, p=p, impl=impl, interpret=interpret,
                                       global_shape=global_shape, first_row=first_row,
                                       shard_offset=shard_offset).astype(weight.dtype)
-    first_row = None if shard_offset is not None else first_row
-    p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
-    M, K = _rows(x.shape)
-    words, first_row = _with_first_row(words, first_row, shard_offset, K)
-    N = weight.shape[0]
-    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
+    p, words, first_row, M, K, N, (block_rows, block_cols), chunk = _prepared(
+        key_data, x, weight, p, impl, interpret, global_shape, first_row, shard_offset)
     grid = (pl.cdiv(M, block_rows), K // block_cols)
     x2 = x.reshape(M, K)
     out_shape = jax.ShapeDtypeStruct((M, N), weight.dtype)
     kernel = functools.partial(_forward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), K=K,
-                               chunk=tuple(chunk), first_row=first_row, interpret=interpret)
+                               chunk=chunk, first_row=first_row, interpret=interpret)
     out = calls.pallas_call(
         kernel,
         name=calls.kernel_name("dropout_linear", "fwd", impl, blocks=(block_rows, block_cols)),
@@ -323,12 +343,8 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
                                                  interpret=interpret, global_shape=global_shape, first_row=first_row,
                                                  shard_offset=shard_offset)
         return grad_x.astype(x.dtype), grad_w
-    first_row = None if shard_offset is not None else first_row
-    p, words = _checked(key_data, x, weight, p, impl, interpret, global_shape, first_row)
-    M, K = _rows(x.shape)
-    words, first_row = _with_first_row(words, first_row, shard_offset, K)
-    N = weight.shape[0]
-    block_rows, block_cols, *chunk = _layout(M, K, impl, interpret, _rows(global_shape or x.shape)[0])
+    p, words, first_row, M, K, N, (block_rows, block_cols), chunk = _prepared(
+        key_data, x, weight, p, impl, interpret, global_shape, first_row, shard_offset)
     # The weight's gradient sums over every row: the rows are the inner, sequential axis. Two
     # halves of them, where they split into whole blocks, are a parallel axis with a sum each
     # (added after): LoRA's K of 1024 is one block of columns, which alone would leave a
@@ -340,7 +356,7 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     x2, g2 = x.reshape(M, K), grad_out.reshape(M, N).astype(weight.dtype)
     out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((halves, N, K), jnp.float32))
     kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
-                               K=K, chunk=tuple(chunk), first_row=first_row, per_half=per_half, interpret=interpret)
+                               K=K, chunk=chunk, first_row=first_row, per_half=per_half, interpret=interpret)
 
     def rows(h, i):
         return h * per_half + i

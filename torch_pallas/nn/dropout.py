@@ -88,7 +88,7 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
-            if not self.inplace and routing.fusing_route() is not None:
+            if not self.inplace and routing.fusing_route(input) is not None:
                 # As a routed F.dropout: what reads the output may run fused with it.
                 _checks.check_tensor(input, "input")
                 return residual_fusion.routed_dropout(input, self.p, self.training, self.impl)
