@@ -57,10 +57,14 @@ _DRAWN = "_torch_pallas_drawn_dropout"
 _draws = itertools.count()
 
 
-def routed_dropout(x: torch.Tensor, p, training: bool, impl) -> torch.Tensor:
+def routed_dropout(x: torch.Tensor, p, training: bool, impl,
+                   x_sharding: sharding.Sharding | None = None) -> torch.Tensor:
     """``torch_pallas.dropout(x, p, training, impl=impl)`` whose output, on tensors that run
-    lazily, remembers its drawn key and the versions of ``x`` and itself, for :func:`fused_add`."""
-    drawn = functional.draw_dropout(x, p, training, None, None, impl, False, sharding.resolve(x))
+    lazily, remembers its drawn key and the versions of ``x`` and itself, for :func:`fused_add`.
+    ``x_sharding``: the sharding its kernel runs under (a module's, resolved when it was built),
+    by default ``x``'s own."""
+    drawn = functional.draw_dropout(x, p, training, None, None, impl, False,
+                                    sharding.resolve(x) if x_sharding is None else x_sharding)
     if drawn is None:
         return x
     output = drawn.output()

@@ -36,13 +36,15 @@ class Hardware:
 
     ``hbm_bandwidth`` is in bytes/s per chip, ``clock`` in Hz, ``valu_slots`` the vector-ALU ops
     one bundle can issue, ``branch_delay_slots`` the bundles that issue after a branch before it
-    takes effect. ``None``: not established (see :data:`HARDWARE`).
+    takes effect, ``tensor_cores`` the TensorCores of one device that split a kernel's
+    ``"parallel"`` grid (a megacore's two). ``None``: not established (see :data:`HARDWARE`).
     """
 
     hbm_bandwidth: float
     clock: Optional[float]
     valu_slots: Optional[int]
     branch_delay_slots: Optional[int]
+    tensor_cores: Optional[int]
 
 
 # HBM bandwidth: published (Cloud TPU system-architecture pages). Clock: v5e and v5p published in
@@ -52,13 +54,16 @@ class Hardware:
 # predicated on the branch's negation): 1 on v4, 4 on v5e to v6e, 6 on TPU7x (libtpu 0.0.52).
 # TPU7x's clock is not published (nor its MXUs per TensorCore, to derive it from peak FLOP/s),
 # and its dumps word branches differently (no bundle numbers), which executed_schedule does not read.
+# TensorCores: v4 and v5p are megacores (published), and their compiles split "parallel" grids over two
+# (bench/tpu_cost.py's "2 TC"); v5e and v6e have one; TPU7x's two TensorCores are two devices.
 HARDWARE = {
-    "v4": Hardware(hbm_bandwidth=1200e9, clock=1.05e9, valu_slots=2, branch_delay_slots=1),
-    "v5e": Hardware(hbm_bandwidth=819e9, clock=1.5e9, valu_slots=4, branch_delay_slots=4),
-    "v5p": Hardware(hbm_bandwidth=2765e9, clock=1.75e9, valu_slots=4, branch_delay_slots=4),
-    "v6e": Hardware(hbm_bandwidth=1640e9, clock=1.75e9, valu_slots=4, branch_delay_slots=4),
-    "tpu7x": Hardware(hbm_bandwidth=7380e9, clock=None, valu_slots=None, branch_delay_slots=6),
+    "v4": Hardware(hbm_bandwidth=1200e9, clock=1.05e9, valu_slots=2, branch_delay_slots=1, tensor_cores=2),
+    "v5e": Hardware(hbm_bandwidth=819e9, clock=1.5e9, valu_slots=4, branch_delay_slots=4, tensor_cores=1),
+    "v5p": Hardware(hbm_bandwidth=2765e9, clock=1.75e9, valu_slots=4, branch_delay_slots=4, tensor_cores=2),
+    "v6e": Hardware(hbm_bandwidth=1640e9, clock=1.75e9, valu_slots=4, branch_delay_slots=4, tensor_cores=1),
+    "tpu7x": Hardware(hbm_bandwidth=7380e9, clock=None, valu_slots=None, branch_delay_slots=6, tensor_cores=1),
 }
+
 
 
 def _hardware(generation: str, *needed: str) -> Hardware:
@@ -71,6 +76,14 @@ def _hardware(generation: str, *needed: str) -> Hardware:
                                   "its dumps), so its schedule cannot be turned into time; see "
                                   "torch_pallas.tpu_schedule.HARDWARE")
     return hardware
+
+
+def valu_seconds(generation: str, ops: float) -> float:
+    """The least time ``ops`` vector-ALU ops (each on one vreg of 8 x 128 32-bit lanes) take on
+    one device of ``generation``: every VALU slot of every bundle of every TensorCore busy. A
+    floor for vector work, as bytes over bandwidth are for memory traffic."""
+    hardware = _hardware(generation, "clock", "valu_slots", "tensor_cores")
+    return ops / (hardware.valu_slots * hardware.clock * hardware.tensor_cores)
 
 
 # --- bundles -----------------------------------------------------------------------------------------------------

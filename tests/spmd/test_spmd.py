@@ -2,6 +2,7 @@
 (SPMD mode is process-wide), with XLA dumping every compiled module so the tests can read the
 partitioned HLO."""
 
+import functools
 import os
 
 import numpy as np
@@ -360,3 +361,59 @@ def test_attention_split_along_its_length_is_rejected():
     query = sharded(torch.randn(2, 2, 32, 16), mesh_of("1x4"), (None, None, "model", None))
     with pytest.raises(ValueError, match="split along its length or head dim"):
         torch_pallas.scaled_dot_product_attention(query, query, query)
+
+
+def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unsharded():
+    """docs/lora.md#fsdp-v2: a PEFT LoRA model wrapped in FSDPv2 (its parameters sharded, the batch
+    split over the fsdp axis), its dropouts converted with the activations' partition spec: under
+    route_dropout() every lora_A(dropout(x)) is one fused call per device's rows, and the loss and
+    the LoRA gradients equal the unsharded model's for the same XLA seed."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from torch_pallas.ops import dropout_linear as dropout_linear_ops
+
+    mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
+    # Threefry, drawn per element, takes these small shards (tiled wants whole 64K-element bands of rows:
+    # a few rows at the widths models have; the fused kernels on such shards: the test above).
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+
+    def step(sharded: bool):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        split = dict(mesh=mesh, partition_spec=("fsdp", None, None)) if sharded else {}
+        model = torch_pallas.convert_dropout(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora),
+                                             impl="threefry", **split)
+        model = model.to(DEVICE).train()
+        if sharded:  # as transformers' Trainer wraps it for FSDPv2: each decoder layer, and the logits' split
+            model = SpmdFullyShardedDataParallel(
+                model, mesh=mesh, shard_output=lambda output, mesh: xs.mark_sharding(
+                    getattr(output, "logits", output), mesh, ("fsdp", None, None)),
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                   transformer_layer_cls={LlamaDecoderLayer}))
+        batch = ids.to(DEVICE)
+        xs.mark_sharding(batch, mesh, ("fsdp" if sharded else None, None))
+        torch_xla.manual_seed(0)
+        with torch_pallas.route_dropout():
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        grads = [p.grad for name, p in model.named_parameters() if p.requires_grad]
+        return [loss, *grads]
+
+    expected = [t.cpu() for t in step(sharded=False)]
+    calls, apply = [], dropout_linear_ops.apply
+    dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs["sharding_text"]) or apply(*args, **kwargs)
+    try:
+        got = step(sharded=True)
+    finally:
+        dropout_linear_ops.apply = apply
+    assert len(calls) == 7 and all(calls), calls  # one fused call per adapted layer, on the devices' rows
+    torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-6)
+    assert len(got) == len(expected) == 15
+    for grad, reference in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(grad.cpu(), reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))

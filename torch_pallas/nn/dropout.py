@@ -87,11 +87,12 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         self.mesh, self.partition_spec = mesh, None if partition_spec is None else tuple(partition_spec)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.inplace and routing.fusing_route(input) is not None:
+            # As a routed F.dropout: what reads the output may run fused with it (with a
+            # partition_spec, per shard: FSDPv2's LoRA dropouts before their lora_A).
+            _checks.check_tensor(input, "input")
+            return residual_fusion.routed_dropout(input, self.p, self.training, self.impl, self._sharding)
         if self.mesh is None:
-            if not self.inplace and routing.fusing_route(input) is not None:
-                # As a routed F.dropout: what reads the output may run fused with it.
-                _checks.check_tensor(input, "input")
-                return residual_fusion.routed_dropout(input, self.p, self.training, self.impl)
             return super().forward(input)
         _checks.check_tensor(input, "input")
         return dropout_under_sharding(input, self.p, self.training, self.inplace, impl=self.impl,
