@@ -229,3 +229,16 @@ def markdown_table(headers, rows) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def mask_noise_floor_seconds(generation: str, elements: int) -> float:
+    """The least time one TPU device of ``generation`` takes to draw a dropout mask of
+    ``elements`` elements with the default noise (``tiled``: ``prng.noise_ops`` integer ops an
+    element, its 13-round hash shared by four 16-bit uniforms) at every vector-ALU slot
+    (``tpu_schedule.valu_seconds``): the floor of the mask's vector work, as bytes over
+    bandwidth is of its memory traffic."""
+    from torch_pallas.kernels import prng, tiling
+    from torch_pallas.tpu_schedule import valu_seconds
+
+    vreg_ops = elements / (tiling.SUBLANES * tiling.LANES) * prng.noise_ops(prng.DROPOUT_DEFAULT, prng.DROPOUT_BITS)
+    return valu_seconds(generation, vreg_ops)

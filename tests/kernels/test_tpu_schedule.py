@@ -128,6 +128,14 @@ def test_estimates_run_in_their_own_process_with_the_dumps_enabled():
     assert counts == ({"passed": 6} if STACK == "xla" else {"passed": 4, "skipped": 1}), summary
 
 
+def test_vector_work_takes_every_valu_slot_of_every_tensor_core():
+    assert tpu_schedule.valu_seconds("v5e", 4 * 1.5e9) == pytest.approx(1.0)  # one TensorCore, 4 slots at 1.5 GHz
+    assert tpu_schedule.valu_seconds("v5p", 2 * 4 * 1.75e9) == pytest.approx(1.0)  # a megacore's two
+    assert tpu_schedule.valu_seconds("v4", 2 * 2 * 1.05e9) == pytest.approx(1.0)
+    with pytest.raises(NotImplementedError, match="tpu7x: clock, valu_slots not established"):
+        tpu_schedule.valu_seconds("tpu7x", 1)
+
+
 @compiles_for_tpu
 def test_bad_arguments_and_unestablished_generations_raise_clearly():
     with pytest.raises(NotImplementedError, match="tpu7x: clock not established"):
