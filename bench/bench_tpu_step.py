@@ -288,6 +288,10 @@ def step_function(model, batch, variant: str):
     with tpu_compile.lowering_for_tpu():
         impl, route = routing(variant)
     jittable = interop.JittableModule(model)
+    # torchax 0.0.13's JittableModule takes every tensor attribute dir() lists, PEFT's read-only `weight`
+    # properties too (a LoRA layer's base weight by a second name), and then cannot set them: leave those out.
+    for name in [name for name in jittable.buffers if _is_property(model, name)]:
+        del jittable.buffers[name]
 
     def loss_of(params, buffers, batch, key_data):  # torchax tensors
         with contextlib.ExitStack() as scope:
@@ -315,6 +319,13 @@ def step_function(model, batch, variant: str):
                 torch_pallas.random.set_default_impl(None)
 
     return step, [jax.ShapeDtypeStruct(array.shape, array.dtype) for array in arrays]
+
+
+def _is_property(model, qualified_name: str) -> bool:
+    """Whether ``qualified_name`` is a property of its module's class, not a tensor it holds."""
+    path, _, attribute = qualified_name.rpartition(".")
+    module = model.get_submodule(path) if path else model
+    return isinstance(getattr(type(module), attribute, None), property)
 
 
 def kernels_in(jaxpr) -> int:

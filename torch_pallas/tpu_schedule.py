@@ -65,7 +65,6 @@ HARDWARE = {
 }
 
 
-
 def _hardware(generation: str, *needed: str) -> Hardware:
     if generation not in HARDWARE:
         raise ValueError(f"generation must be one of {', '.join(map(repr, HARDWARE))}, got {generation!r}")
