@@ -103,9 +103,11 @@ def test_adds_it_cannot_fuse_are_left_to_torch():
     cpu = torch.ones(4, 128)  # eager CPU tensors: the dropout kernel has run already
     with torch_pallas.route_dropout(fuse_residual=True):
         assert not hasattr(F.dropout(cpu, 0.5), residual_fusion._DRAWN)
-    for name in ("fuse_residual", "fuse_matmul", "fuse_linear"):
-        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+    for name in ("fuse_residual", "fuse_matmul"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got int 1"):
             torch_pallas.route_dropout(**{name: 1})
+    with pytest.raises(TypeError, match="fuse_linear must be True, False or None, got int 1"):
+        torch_pallas.route_dropout(fuse_linear=1)
 
 
 def test_compiled_backend_fuses_fullgraph_with_the_unfused_numbers_and_compiles_once(monkeypatch):
@@ -208,6 +210,17 @@ def test_linear_of_a_dropout_is_one_kernel_with_its_mask_values_and_gradients(dr
         assert torch.equal(unfused, fused)  # integers: every sum exact
     with torch_pallas.route_dropout():  # eager CPU tensors: nothing to fuse, nothing remembered
         assert not hasattr(LINEAR_DROPOUTS[dropout]()(x.cpu()), residual_fusion._DRAWN)
+
+
+def test_route_dropouts_default_fuses_skinny_linear_layers_only():
+    """fuse_linear=None fuses a weight of at most 128 output features (LoRA's ranks), not a wider one
+    (T5's wo: slower fused); True fuses both."""
+    x = integers(2, 16, 256)
+    for features, route, fused in ((128, {}, True), (256, {}, False), (256, {"fuse_linear": True}, True)):
+        weight = integers(features, 256)
+        with torch_pallas.route_dropout(**route):
+            out = F.linear(F.dropout(x, 0.5), weight)
+        assert kernel_nodes(out, linear=True)["dropout_linear"] == int(fused), (features, route)
 
 
 SOFTMAX_FORMS = {
@@ -454,7 +467,8 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
     with torch_pallas.route_dropout(fuse_residual=True):
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
-    # T5's feed-forward wo(dropout(relu(wi(h)))): one dropout_linear kernel per layer (fuse_linear's default).
+    # T5's feed-forward wo(dropout(relu(wi(h)))), here of 64 output features: one dropout_linear kernel per
+    # layer (fuse_linear's default takes at most 128; T5-base's 768 stay unfused).
     linears = 2 if make_model is t5 else 0
     assert kernel_nodes(hidden, linear=True) == {"dropout": standalone - linears, "dropout_add": fused,
                                                  "dropout_linear": linears}
@@ -473,7 +487,7 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
     model, inputs = make_model(attn_implementation="eager")
     model = model.to(DEVICE).train()
     inputs = {name: value.to(DEVICE) for name, value in inputs.items()}
-    with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
+    with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True, fuse_linear=True):
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
     layers = 2

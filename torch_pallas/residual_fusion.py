@@ -319,13 +319,14 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
 _LINEAR_SIGNATURE = inspect.signature(lambda input, weight, bias=None: None)
 
 
-def fused_linear(args, kwargs) -> torch.Tensor | None:
+def fused_linear(args, kwargs, max_features: int | None = None) -> torch.Tensor | None:
     """``F.linear(*args, **kwargs)`` of a remembered dropout's output as ``dropout_linear`` with
     the dropout's key (bit for bit its mask, on every impl): the kernel reads the dropout's
     input, and autograd keeps that input instead of the dropped copy. ``None`` when it is not
-    such a call, or a bias of another dtype, device or shape (torch's linear then runs, and
-    raises where it would), or under ``torch.func``'s transforms and forward-mode AD, which the
-    fused op's backward kernel does not serve."""
+    such a call, a weight of more than ``max_features`` output features, or a bias of another
+    dtype, device or shape (torch's linear then runs, and raises where it would), or under
+    ``torch.func``'s transforms and forward-mode AD, which the fused op's backward kernel does
+    not serve."""
     if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
         return None
     try:
@@ -335,6 +336,8 @@ def fused_linear(args, kwargs) -> torch.Tensor | None:
     input, weight, bias = (call.arguments.get(name) for name in ("input", "weight", "bias"))
     found = _drawn_dropout_of(input)
     if found is None or not functional.fuses_linear(found[1], weight):
+        return None
+    if max_features is not None and weight.shape[0] > max_features:
         return None
     if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dtype == input.dtype
                                  and bias.device == input.device and tuple(bias.shape) == (weight.shape[0],)):

@@ -28,6 +28,10 @@ _SDPA_SIGNATURE = inspect.signature(
     lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None)
 _SDPA_WARNING = ("torch_pallas.route_dropout: this scaled_dot_product_attention call's dropout_p is applied by torch "
                  "with torch's RNG: {reason}")
+# route_dropout's default fuses F.linear after a dropout for weights of at most this many output features: the
+# fused kernel's case (a skinny product under the MXU's width; LoRA's ranks). LoRA's steps are faster fused at
+# rank 16, T5's wo(dropout(h)) of 768 features slower (bench/results/tpu_step.md, docs/lora.md).
+SKINNY_LINEAR_FEATURES = 128
 # Which F.scaled_dot_product_attention calls route_dropout runs as torch_pallas's.
 ATTENTION_ROUTES = ("dropout", "all", "none")
 
@@ -83,19 +87,21 @@ class route_dropout(TorchFunctionMode):
             holds, so read that output nowhere else (``output_attentions``) with this on.
             Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s
             transforms. Default: ``False``.
-        fuse_linear (bool): run ``F.linear`` (every ``nn.Linear``) of a routed ``F.dropout`` /
-            ``torch.dropout`` output, or a converted :class:`torch_pallas.nn.Dropout`'s, as
-            :func:`torch_pallas.dropout_linear` with the dropout's key (PEFT's LoRA
-            ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``, a classifier head): the dropout's
-            mask bit for bit on every impl, the unfused calls' values and gradients (the
-            product accumulated in float32), and autograd keeps the dropout's input, not the
-            dropped copy. Where that input is a 16-bit tensor's ``.to(torch.float32)``, as
-            PEFT's float32 adapters cast a bfloat16 model's activations, the kernel reads the
-            16-bit tensor. On by default because it keeps torch's semantics and is never slower
-            where the layer is the dropout's only reader (docs/lora.md); a dropout output also
-            read elsewhere runs its own kernel too, and each fused layer draws the mask again.
-            Lazily run tensors only (torch_xla's lazy tensors, torchax's inside a JAX trace);
-            not under ``torch.compile`` or ``torch.func``'s transforms. Default: ``True``.
+        fuse_linear (bool, optional): run ``F.linear`` (``nn.Linear``) of a routed
+            ``F.dropout`` / ``torch.dropout`` output, or a converted
+            :class:`torch_pallas.nn.Dropout`'s, as :func:`torch_pallas.dropout_linear` with the
+            dropout's key: the dropout's mask bit for bit on every impl, the unfused calls'
+            values and gradients (the product accumulated in float32), and autograd keeps the
+            dropout's input, not the dropped copy. Where that input is a 16-bit tensor's
+            ``.to(torch.float32)``, as PEFT's float32 adapters cast a bfloat16 model's
+            activations, the kernel reads the 16-bit tensor. ``None`` (default): the layers
+            where it pays, those with at most 128 output features (PEFT's LoRA
+            ``lora_A(dropout(x))`` at its ranks, faster in every LoRA step measured; a
+            classifier head); ``True``: every one (T5's ``wo(dropout(h))`` too, whose 768
+            output features take longer fused: docs/lora.md); ``False``: none. A dropout output also read elsewhere runs its own
+            kernel too, and each fused layer draws the mask again. Lazily run tensors only
+            (torch_xla's lazy tensors, torchax's inside a JAX trace); not under
+            ``torch.compile`` or ``torch.func``'s transforms.
         fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
             output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
             ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)
@@ -109,7 +115,8 @@ class route_dropout(TorchFunctionMode):
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
-        TypeError: ``fuse_residual``, ``fuse_matmul`` or ``fuse_linear`` is not a bool.
+        TypeError: ``fuse_residual`` or ``fuse_matmul`` is not a bool, or ``fuse_linear`` is
+            neither a bool nor ``None``.
 
     Example::
 
@@ -119,15 +126,17 @@ class route_dropout(TorchFunctionMode):
     """
 
     def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False,
-                 fuse_matmul: bool = False, fuse_linear: bool = True):
+                 fuse_matmul: bool = False, fuse_linear: bool | None = None):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
         self.attention = arguments.check_one_of("attention", attention, ATTENTION_ROUTES)
-        for name, value in (("fuse_residual", fuse_residual), ("fuse_matmul", fuse_matmul),
-                            ("fuse_linear", fuse_linear)):
+        for name, value in (("fuse_residual", fuse_residual), ("fuse_matmul", fuse_matmul)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+        if fuse_linear is not None and not isinstance(fuse_linear, bool):
+            raise TypeError(f"fuse_linear must be True, False or None, got {type(fuse_linear).__name__} "
+                            f"{fuse_linear!r}")
         self.fuse_residual = fuse_residual
         self.fuse_matmul = fuse_matmul
         self.fuse_linear = fuse_linear
@@ -137,8 +146,8 @@ class route_dropout(TorchFunctionMode):
         ``fuse_residual`` or ``fuse_matmul``, or ``fuse_linear`` on a lazily run tensor (the
         default leaves every other dropout as it was)."""
         return (self.fuse_residual or self.fuse_matmul
-                or (self.fuse_linear and isinstance(input, torch.Tensor) and not torch.compiler.is_compiling()
-                    and bridge.runs_lazily(input)))
+                or (self.fuse_linear is not False and isinstance(input, torch.Tensor)
+                    and not torch.compiler.is_compiling() and bridge.runs_lazily(input)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -159,10 +168,10 @@ class route_dropout(TorchFunctionMode):
                 return fused
             if self.fuse_matmul:
                 return residual_fusion.remembered_scores(func, args, kwargs)
-        elif self.fuse_linear and func is torch.Tensor.to and not torch.compiler.is_compiling():
+        elif self.fuse_linear is not False and func is torch.Tensor.to and not torch.compiler.is_compiling():
             return residual_fusion.remembered_widening(func, args, kwargs)
-        elif self.fuse_linear and func is F.linear and not torch.compiler.is_compiling():
-            fused = residual_fusion.fused_linear(args, kwargs)
+        elif self.fuse_linear is not False and func is F.linear and not torch.compiler.is_compiling():
+            fused = residual_fusion.fused_linear(args, kwargs, None if self.fuse_linear else SKINNY_LINEAR_FEATURES)
             if fused is not None:
                 return fused
         elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
