@@ -17,10 +17,13 @@ where fixed per-call costs weigh most), every dropout p=0.1, built in these vari
 
 - ``torch_pallas threefry`` / ``torch_pallas hardware`` / ``torch_pallas tiled``: every dropout
   routed to torch_pallas with that noise impl, residual adds, eager attention's products and
-  linear layers after a dropout fused (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
+  linear layers of at most 128 output features after a dropout fused
+  (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
   custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
 - ``torch_pallas tiled default``: ``route_dropout()``, what a user gets without options (the
-  tiled impl, linear layers after a dropout fused: ``fuse_linear``'s default);
+  tiled impl, those linear layers fused: ``fuse_linear``'s default);
+- ``torch_pallas tiled linear``: every linear layer after a dropout fused, nothing else
+  (``route_dropout(fuse_linear=True)``);
 - ``torch_pallas threefry unfused`` / ``torch_pallas tiled unfused``: nothing fused
   (``route_dropout(impl=..., fuse_linear=False)``);
 - ``torch``: torch's own dropout (XLA draws each mask and keeps it for the backward pass);
@@ -57,10 +60,12 @@ from common import RESULTS, commit, markdown_table, mask_noise_floor_seconds, me
 
 P = 0.1
 # "torch_pallas <impl>": every dropout routed with that noise impl, residual adds, eager attention's products and
-# linear layers after a dropout fused (the table's figures); "torch_pallas tiled default": route_dropout() as a user
-# gets it without options (linear layers fused: fuse_linear's default); "torch_pallas <impl> unfused": nothing fused.
+# linear layers of at most 128 features after a dropout fused (the table's figures); "torch_pallas tiled default":
+# route_dropout() as a user gets it without options (those linear layers fused); "torch_pallas tiled linear":
+# every linear layer after a dropout fused, nothing else; "torch_pallas <impl> unfused": nothing fused.
 VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled", "torch_pallas tiled default",
-            "torch_pallas threefry unfused", "torch_pallas tiled unfused", "torch", "no dropout")
+            "torch_pallas tiled linear", "torch_pallas threefry unfused", "torch_pallas tiled unfused", "torch",
+            "no dropout")
 ROUTED_VARIANTS = tuple(variant for variant in VARIANTS if variant.startswith("torch_pallas"))
 # transformers' own (``sdpa``, its default; ``eager``) and torch_pallas's flash kernels registered with its
 # AttentionInterface (``torch_pallas.register_attention()``), measured against ``eager`` with torch's dropout.
@@ -232,6 +237,8 @@ def routing(variant: str):
     impl = variant.split()[1]
     if variant.endswith(" default"):
         return impl, torch_pallas.route_dropout(impl=impl)
+    if variant.endswith(" linear"):
+        return impl, torch_pallas.route_dropout(impl=impl, fuse_linear=True)
     if variant.endswith(" unfused"):
         return impl, torch_pallas.route_dropout(impl=impl, fuse_linear=False)
     return impl, torch_pallas.route_dropout(impl=impl, fuse_residual=True, fuse_matmul=True)
@@ -522,11 +529,13 @@ def render(records: list) -> str:
         "Models: " + "; ".join(f"{name}: {text}" for name, (text, _) in MODELS.items()) + ". "
         "Columns: `torch`: torch's dropout, its peak HBM and estimated step time; `threefry`, `hardware`, `tiled`: "
         "every dropout routed to torch_pallas with that noise impl (`impl=`, docs/noise.md), "
-        "residual adds, eager attention's products of dropped weights and values and linear layers after a dropout "
-        "fused (`route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)`); `tiled default`: `route_dropout()` "
-        "as a user gets it without options (`tiled`, the default impl of dropout since 2026-11-28, with linear layers "
-        "after a dropout fused, `fuse_linear`'s default since 2026-11-29; measured where that differs from both "
-        "`tiled` and `tiled unfused`); `threefry unfused`, `tiled unfused`: nothing fused "
+        "residual adds, eager attention's products of dropped weights and values and linear layers of at most 128 "
+        "output features after a dropout fused (`route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)`); "
+        "`tiled default`: `route_dropout()` as a user gets it without options (`tiled`, the default impl of dropout "
+        "since 2026-11-28, with those linear layers fused, `fuse_linear`'s default since 2026-11-29; measured where "
+        "that differs from both `tiled` and `tiled unfused`); `tiled linear`: every linear layer after a dropout "
+        "fused, nothing else (`route_dropout(fuse_linear=True)`: T5's `wo(dropout(h))` of 768 features, the "
+        "evidence for the default's bound); `threefry unfused`, `tiled unfused`: nothing fused "
         "(`route_dropout(impl=..., fuse_linear=False)`, what a user got without options before 2026-11-29); "
         "each ratio cell is "
         "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to "
