@@ -86,7 +86,7 @@ class route_dropout(TorchFunctionMode):
             (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
             holds, so read that output nowhere else (``output_attentions``) with this on.
             Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s
-            transforms. Default: ``False``.
+            transforms. Default: ``False``, for that mask.
         fuse_linear (bool, optional): run ``F.linear`` (``nn.Linear``) of a routed
             ``F.dropout`` / ``torch.dropout`` output, or a converted
             :class:`torch_pallas.nn.Dropout`'s, as :func:`torch_pallas.dropout_linear` with the
@@ -98,8 +98,9 @@ class route_dropout(TorchFunctionMode):
             where it pays, those with at most 128 output features (PEFT's LoRA
             ``lora_A(dropout(x))`` at its ranks, faster in every LoRA step measured; a
             classifier head); ``True``: every one (T5's ``wo(dropout(h))`` too, whose 768
-            output features take longer fused: docs/lora.md); ``False``: none. A dropout output also read elsewhere runs its own
-            kernel too, and each fused layer draws the mask again. Lazily run tensors only
+            output features take longer fused: docs/lora.md); ``False``: none. A dropout
+            output also read elsewhere runs its own kernel too, and each fused layer draws the
+            mask again. Lazily run tensors only
             (torch_xla's lazy tensors, torchax's inside a JAX trace); not under
             ``torch.compile`` or ``torch.func``'s transforms.
         fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
@@ -111,7 +112,8 @@ class route_dropout(TorchFunctionMode):
             trace), where the dropout's own kernel then never runs; not on eager CPU
             tensors, and not under ``torch.compile``, where the ``"torch_pallas"`` backend
             fuses instead. Not if the dropout's input or output was written in place in
-            between. Default: ``False``.
+            between. Default: ``False``: a 16-bit sum rounded once may differ from torch's
+            two roundings.
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
