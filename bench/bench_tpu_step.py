@@ -181,7 +181,9 @@ MODELS = {"gpt2": ("GPT-2 small: width 768, 12 heads, vocabulary 50257, 8 x 1024
           "llama-gqa-lora-2048": ("llama-gqa-lora at 4 x 2048 tokens",
                                   functools.partial(_llama_lora, tokens=2048, kv_heads=4)),
           "gpt2-lora": ("GPT-2 small at 8 x 1024 tokens with PEFT LoRA r=16 on c_attn, c_proj, c_fc "
-                        "(fan_in_fan_out) over its own dropouts", _gpt2_lora)}
+                        "(fan_in_fan_out) over its own dropouts", _gpt2_lora),
+          "gpt2-lora-512": ("gpt2-lora at 8 x 512 tokens (GPT-2 has no 2048: its positions end at 1024)",
+                            functools.partial(_gpt2_lora, tokens=512))}
 
 
 def stack() -> str:
