@@ -644,9 +644,9 @@ def _lora_note(records: list) -> str:
             "with the least the masks' noise costs as a share of the no-dropout step (every adapted layer's input "
             "masked twice, forward and backward, at the vector units' peak: `common.mask_noise_floor_seconds`): "
             + "; ".join(cells) + ". Where that floor is 2 % or more, no kernel drawing the tiled impl's 13-round "
-            "hash brings the step within 1.02x of no dropout; the fused kernels themselves cost their memory traffic "
-            "plus that floor (tpu_cost_lora.md), and the rest of the excess is XLA's (the breakdown below: copies, "
-            "and fusions around the kernels).\n\n")
+            "hash brings the step within 1.02x of no dropout. The fused kernels cost their memory traffic plus that "
+            "floor (tpu_cost_lora.md); XLA's own ops together take no longer than without dropout, but llama-lora's "
+            "copies on v5e and v6e (the breakdown below).\n\n")
 
 
 COLUMNS = ("model", "attention", "generation", "torch: peak HBM (MiB)", "torch: step (ms)",

@@ -18,10 +18,11 @@ The floors are bytes at the published HBM bandwidth (``tpu_schedule.HARDWARE``):
 reads ``x`` once (8 MiB), the least any kernel that drops ``x`` can move; ``all operands`` adds
 what the kernel must also move: forward the adapter (read) and the output (written), backward
 the output's gradient (read), ``x``'s gradient (written, bfloat16) and the adapter's (written,
-float32). ``noise floor`` is the vector work of the mask alone (``common.mask_noise_floor_seconds``:
-the tiled impl's integer ops per element at every vector-ALU slot of every TensorCore). ``without noise`` is an ablation, not a usable
-kernel: the same kernels compiled with the hash replaced by constant bits (every element kept),
-what they would cost if the mask were free. Compiler estimates, not measurements: nothing here
+float32). ``noise floor`` is the vector work of the mask alone
+(``common.mask_noise_floor_seconds``: the tiled impl's integer ops per element at every vector-ALU
+slot of every TensorCore). ``without noise`` is an ablation, not a usable kernel: the same kernels
+compiled with the hash replaced by constant bits (every element kept), what they would cost if
+the mask were free. Compiler estimates, not measurements: nothing here
 ran on a TPU.
 """
 

@@ -100,9 +100,8 @@ class route_dropout(TorchFunctionMode):
             classifier head); ``True``: every one (T5's ``wo(dropout(h))`` too, whose 768
             output features take longer fused: docs/lora.md); ``False``: none. A dropout
             output also read elsewhere runs its own kernel too, and each fused layer draws the
-            mask again. Lazily run tensors only
-            (torch_xla's lazy tensors, torchax's inside a JAX trace); not under
-            ``torch.compile`` or ``torch.func``'s transforms.
+            mask again. Lazily run tensors only (torch_xla's lazy tensors, torchax's inside a
+            JAX trace); not under ``torch.compile`` or ``torch.func``'s transforms.
         fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
             output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
             ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)

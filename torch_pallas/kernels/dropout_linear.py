@@ -170,6 +170,11 @@ def _prepared(key_data, x, weight, p, impl, interpret, global_shape, first_row, 
     return _Prepared(p, words, first_row, M, K, weight.shape[0], (block_rows, block_cols), tuple(chunk))
 
 
+def _row_block(half, i, per_half):
+    """The backward grid's block of rows at step ``i`` of ``half`` (``per_half`` blocks each)."""
+    return half * per_half + i
+
+
 def _first_row(key_ref, first_row):
     """The kernels' first row: static, or the data after the key's words (:func:`_with_first_row`)."""
     return key_ref[key_ref.shape[0] - 1] if first_row is None else first_row
@@ -301,7 +306,7 @@ def _backward_kernel(key_ref, x_ref, w_ref, g_ref, grad_x_ref, grad_w_ref, *, im
         grad_w_ref[...] = jnp.zeros(grad_w_ref.shape, jnp.float32)
 
     def body(row, col):
-        row0 = (half * per_half + i) * block[0] + row
+        row0 = _row_block(half, i, per_half) * block[0] + row
         rows, cols, keep, x = _chunk(key_ref, x_ref, w_ref, row, col, _first_row(key_ref, first_row) + row0,
                                      k * block[1] + col,
                                      impl=impl, keep_probability=keep_probability, K=K, chunk=chunk)
@@ -357,10 +362,7 @@ def dropout_linear_backward(key_data, x, weight, grad_out, *, p: float, impl: st
     out_shapes = (jax.ShapeDtypeStruct((M, K), x.dtype), jax.ShapeDtypeStruct((halves, N, K), jnp.float32))
     kernel = functools.partial(_backward_kernel, impl=impl, keep_probability=prng.keep_probability(impl, p), M=M,
                                K=K, chunk=chunk, first_row=first_row, per_half=per_half, interpret=interpret)
-
-    def rows(h, i):
-        return h * per_half + i
-
+    rows = functools.partial(_row_block, per_half=per_half)
     grad_x, grad_w = calls.pallas_call(
         kernel,
         name=calls.kernel_name("dropout_linear", "bwd", impl, blocks=(block_rows, block_cols)),
