@@ -44,8 +44,8 @@ else:
     def __getattr__(name):
         if name in __all__:
             raise ImportError(
-                f"torch_pallas.{name} needs torch, which this process cannot import ({_torch_missing}): pip install "
-                "'torch-pallas[xla]', 'torch-pallas[torchax]' or 'torch-pallas[torchtpu]'. Without torch, torch_pallas.kernels (the Pallas "
+                f"torch_pallas.{name} needs torch, which this process cannot import ({_torch_missing}): from "
+                "torch_pallas's source, pip install '.[xla]', '.[torchax]' or '.[torchtpu]'. Without torch, torch_pallas.kernels (the Pallas "
                 "kernels, called from JAX), torch_pallas.tpu_compile and torch_pallas.tpu_schedule work",
                 name=f"torch_pallas.{name}") from _torch_missing
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,10 @@ against them when it is loaded (:func:`check_front_end`). Adding a front end mea
 one module and naming it in :data:`FRONT_ENDS`. The rest of the package reaches a front end
 through this module's functions only.
 
+An installed stack whose library does not import (torch_xla 2.9 beside another torch than
+2.9.0, say) leaves the process on plain CPU tensors, with a warning naming the fix
+(:func:`_stack_imports`).
+
 It also holds what is the same for every front end: whether Pallas kernels run compiled
 (TPU) or in interpret mode, and the default noise generator.
 """
@@ -28,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -50,18 +56,22 @@ def _installed(package: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
+# Each accelerator stack's library, and the torch it imports beside (what its extra pins).
+_LIBRARIES = {"xla": "torch_xla", "torchax": "torchax", "torchtpu": "torch_tpu"}
+_FIXES = {
+    "xla": "torch_xla 2.9 needs torch 2.9.0: pip install torch==2.9.0 (torch_pallas's xla extra pins it)",
+    "torchax": "torchax 0.0.13 runs on torch 2.12 and no newer: pip install 'torch>=2.12,<2.13' "
+               "(torch_pallas's torchax extra pins it)",
+    "torchtpu": "torch_tpu 0.2.0 runs on torch 2.11 to 2.15: pip install 'torch>=2.11,<=2.15' "
+                "(torch_pallas's torchtpu extra pins it)",
+}
+
 # The stack this process runs: torch_xla's when it is installed (its wheel also bundles an
 # old torchax, which is not a front end here), else torchax's, else TorchTPU's, else plain
 # CPU tensors. (torchax imports on torch <= 2.12 and TorchTPU needs torch >= 2.11: an
-# environment with both runs torchax's.)
-if _installed("torch_xla"):
-    STACK = "xla"
-elif _installed("torchax"):
-    STACK = "torchax"
-elif _installed("torch_tpu"):
-    STACK = "torchtpu"
-else:
-    STACK = "dlpack"
+# environment with both runs torchax's.) Plain CPU tensors too when the stack's library is
+# installed but does not import (:func:`_stack_imports`, at its front end's first use).
+STACK = next((stack for stack, library in _LIBRARIES.items() if _installed(library)), "dlpack")
 
 
 class FrontEnd(Protocol):
@@ -198,7 +208,7 @@ def front_end(device_type: str) -> Optional[FrontEnd]:
     module = _loaded.get(device_type)
     if module is None:
         name = FRONT_ENDS.get(device_type)
-        if name is None or (name != "dlpack" and name != STACK):
+        if name is None or (name != "dlpack" and (name != STACK or not _stack_imports())):
             return None
         module = importlib.import_module(f"torch_pallas.frontends.{name}")
         check_front_end(module)
@@ -237,9 +247,35 @@ def defer_function_to_mode(func, mode_type) -> None:
     _announce("defer_function_to_mode", func, mode_type)
 
 
+def _stack_imports() -> bool:
+    """Whether this process's stack's library imports (imported now, before its front end).
+    If it does not (torch_xla 2.9 beside another torch than 2.9.0: its C++ extension fails to
+    load), warns with the error and the fix, and makes this process's stack plain CPU tensors
+    (``"dlpack"``): CPU tensors keep working, the stack's own tensors are not taken."""
+    global STACK, _STACK_DEVICE_TYPE
+    library = _LIBRARIES[STACK]
+    try:
+        importlib.import_module(library)
+    except Exception as error:  # ImportError, OSError; torchax on torch 2.13: AttributeError
+        try:
+            version = f" {importlib.metadata.version(library.replace('_', '-'))}"
+        except importlib.metadata.PackageNotFoundError:
+            version = ""
+        reason = (str(error).splitlines() or [""])[0]
+        warnings.warn(
+            f"torch_pallas: {library}{version} is installed but cannot be imported beside torch "
+            f"{torch.__version__} ({type(error).__name__}: {reason}); {_FIXES[STACK]}. Until then "
+            f"torch_pallas runs on CPU tensors only in this process", UserWarning, stacklevel=2)
+        STACK, _STACK_DEVICE_TYPE = "dlpack", "cpu"
+        return False
+    return True
+
+
 def default_front_end() -> FrontEnd:
-    """The front end of this process's stack (:data:`STACK`)."""
-    return front_end(_STACK_DEVICE_TYPE)
+    """The front end of this process's stack (:data:`STACK`); the CPU's when the stack's
+    library turns out not to import (:func:`_stack_imports`)."""
+    front = front_end(_STACK_DEVICE_TYPE)
+    return front if front is not None else front_end("cpu")
 
 
 _STACK_DEVICE_TYPE = next(device_type for device_type, name in FRONT_ENDS.items() if name == STACK)

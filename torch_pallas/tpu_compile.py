@@ -4,7 +4,7 @@ libtpu's compile-only client (``jax.experimental.topologies``) gives TPU devices
 topology, and ``jax.jit(f).lower(...).compile()`` on them runs XLA's TPU compiler and
 Mosaic's own passes: what a TPU would reject (unsupported types, layouts, VMEM overflow)
 fails here too. ``jax.export`` stops before those passes and passed kernels that libtpu
-rejects. Needs the ``libtpu`` package (``pip install torch-pallas[test]``); :data:`GENERATIONS` are
+rejects. Needs the ``libtpu`` package (``pip install libtpu``, in the ``test`` extra); :data:`GENERATIONS` are
 the generations it knows. Importing the kernels pins the Mosaic IR version where the JAX
 version needs it (:mod:`torch_pallas.kernels.compat`). Only :func:`compile_graph` and
 :func:`lowering_for_tpu` (torch_xla's) need torch, and import it when called: in a process
@@ -392,8 +392,8 @@ def compile_graph(tensors: Sequence, generation: str, *, estimate: bool = False,
     if not tensors or any(getattr(t, "device", None) is None or t.device.type != "xla" for t in tensors):
         raise ValueError("tensors must be a non-empty sequence of XLA tensors (on torch_xla.device())")
     if not available():
-        raise RuntimeError("compile_graph needs libtpu, the TPU compiler: pip install 'torch-pallas[test]' "
-                           "(libtpu==0.0.21, the version torch_xla[tpu] 2.9 pins)")
+        raise RuntimeError("compile_graph needs libtpu, the TPU compiler: pip install libtpu==0.0.21 "
+                           "(torch_pallas's test extra; 0.0.21, the version torch_xla[tpu] 2.9 pins)")
     if xr.is_spmd():
         raise NotImplementedError("compile_graph compiles unsharded graphs only; this process is in SPMD mode")
     _check_estimate(estimate)
