@@ -100,3 +100,25 @@ def test_cpu_region_recomputes_its_forward_masks():
     out, hidden = torch_pallas.checkpoint(region, layer, x)
     (out.square().sum() + hidden.sum()).backward()
     assert hidden.device.type == "cpu" and torch.equal(hidden != 0, x.grad != 0)
+
+
+def routed_region(layer, x):
+    """region's dropouts as a model writes them: F.dropout, routed by route_dropout."""
+    hidden = torch.nn.functional.dropout(torch.relu(x), 0.5)
+    return torch.nn.functional.dropout(layer(hidden), 0.3), hidden
+
+
+def test_torch_xla_checkpoint_inside_route_dropout_recomputes_the_forward_masks():
+    """torch_xla's own checkpoint of a region entered inside route_dropout, backward() after the
+    scope (autograd runs it outside every function mode): the recomputation is routed as its
+    forward was, with its keys, whatever preserve_rng_state restores (torch_pallas.checkpointing)."""
+    layer = make_layer()
+    for preserve_rng_state in (True, False):
+        with torch_pallas.route_dropout():
+            step = lambda x: torch_xla.utils.checkpoint.checkpoint(routed_region, layer, x,  # noqa: E731
+                                                                    preserve_rng_state=preserve_rng_state)
+            layer.zero_grad()
+            x = positive_input().requires_grad_()
+            out, hidden = step(x)
+        (out.square().sum() + hidden.sum()).backward()
+        assert torch.equal((hidden != 0).cpu(), (x.grad != 0).cpu())

@@ -86,12 +86,12 @@ def test_noise_contract_torch_xla_checkpoint_recomputes_other_masks_on_the_compi
     assert torch.equal(forward_mask, backward_mask)
 
 
-@pytest.mark.parametrize("checkpoint,recomputed_by_torch_pallas", [
-    (torch_xla.utils.checkpoint.checkpoint, False), (torch_pallas.checkpoint, True)])
-def test_noise_contract_route_dropout_is_not_active_in_torch_xla_checkpoint_recomputation(
-        monkeypatch, checkpoint, recomputed_by_torch_pallas):
-    """docs/noise.md, Where a call's key comes from: a route_dropout scope is not active in torch_xla.utils.checkpoint's
-    recomputation (its F.dropout is torch's there); torch_pallas.checkpoint re-enters it."""
+@pytest.mark.parametrize("checkpoint", [torch_xla.utils.checkpoint.checkpoint, torch_pallas.checkpoint],
+                         ids=["torch_xla", "torch_pallas"])
+def test_noise_contract_route_dropout_is_active_in_checkpoint_recomputation(monkeypatch, checkpoint):
+    """docs/noise.md, Where a call's key comes from: a region checkpointed inside a route_dropout
+    scope is recomputed routed, with its forward's key, by torch_xla.utils.checkpoint as by
+    torch_pallas.checkpoint (backward after the scope)."""
     keys = record_dropout_keys(monkeypatch)
     x = (xla_ones() * 2).requires_grad_()
     with torch_pallas.route_dropout():
@@ -99,7 +99,7 @@ def test_noise_contract_route_dropout_is_not_active_in_torch_xla_checkpoint_reco
     assert len(keys) == 1  # the forward: torch_pallas.dropout
     y.sum().backward()
     # torch_pallas's recomputation and its backward kernel both use the forward's key.
-    assert keys[1:] == ([keys[0]] * 2 if recomputed_by_torch_pallas else [])
+    assert keys[1:] == [keys[0]] * 2
 
 
 def test_limits_checkpoint_region_is_a_graph_break():

@@ -87,6 +87,9 @@ class FrontEnd(Protocol):
     GENERATOR_DEVICE_TYPES: tuple
     GENERATORS: str
     SEEDED_BY: str
+    # The stack's own reentrant checkpoint Functions besides torch's (torch_xla's), whose
+    # recomputation torch_pallas routes as torch's (torch_pallas.checkpointing).
+    CHECKPOINT_FUNCTIONS: tuple
 
     def platform_is_tpu(self) -> bool:
         """Whether this process's accelerator is a TPU (read once: :func:`on_tpu`)."""

@@ -1,15 +1,19 @@
-"""Activation checkpointing whose recomputation draws exactly its forward's noise."""
+"""Activation checkpointing whose recomputation draws exactly its forward's noise: this module's
+:func:`checkpoint`, and torch's own checkpoints inside :func:`torch_pallas.route_dropout`
+(:func:`_route_torch_checkpoints`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import sys
 
 import torch
+import torch.utils.checkpoint
 from torch.overrides import _get_current_function_mode_stack
 
-from torch_pallas import bridge, seeds
+from torch_pallas import _checks, bridge, seeds
 from torch_pallas.routing import route_dropout
 
 __all__ = ["checkpoint", "enable"]
@@ -162,3 +166,106 @@ def _input_embeddings_frozen(model: torch.nn.Module) -> bool:
 
 
 checkpoint.enable = enable
+
+
+class _RoutedRegion:
+    """A region that torch's checkpoint (or the stack's) runs inside :func:`route_dropout`, run in
+    the forward's routing and in a :func:`~torch_pallas.seeds.key_scope` of one key, drawn at its
+    first random op, in its forward and in each recomputation. The recomputation runs in the
+    backward pass, where autograd has no ``TorchFunctionMode`` active (it leaves them out of the
+    state it runs the backward in): without the routing re-entered, the region's ``F.dropout``
+    calls would be torch's, with other masks (and non-reentrant checkpointing finds other saved
+    tensors and raises); and with the key scope, each recomputation draws its forward's masks
+    whatever RNG state ``preserve_rng_state`` restores."""
+
+    def __init__(self, function, routing: route_dropout):
+        self.function, self.routing = function, routing
+        self.key = seeds.RegionKey()
+
+    @contextlib.contextmanager
+    def scope(self):
+        reentered = self.routing if _active_routing() is None else contextlib.nullcontext()
+        with seeds.key_scope(self.key), reentered:
+            yield
+
+    def __call__(self, *args, **kwargs):
+        with self.scope():
+            return self.function(*args, **kwargs)
+
+
+def _routed(function):
+    """``function`` as a :class:`_RoutedRegion` of the active :func:`route_dropout`, if any (and
+    it is not one already)."""
+    routing = _active_routing()
+    return function if routing is None or isinstance(function, _RoutedRegion) else _RoutedRegion(function, routing)
+
+
+def _routing_reentrant(forward):
+    """A reentrant checkpoint Function's ``forward(ctx, run_function, preserve_rng_state, *args)``
+    whose ``run_function`` (run in the forward and again, from ``ctx``, in the backward) is
+    :func:`_routed`."""
+    @functools.wraps(forward)
+    def routing_forward(ctx, run_function, preserve_rng_state, *args):
+        return forward(ctx, _routed(run_function), preserve_rng_state, *args)
+
+    routing_forward.__torch_pallas_routes__ = True
+    return routing_forward
+
+
+def _routing_non_reentrant(generator):
+    """torch's generator of a non-reentrant checkpoint, ``generator(fn, ...)``, whose first step
+    precedes the region's forward (which the caller runs itself: its exception, if any, thrown
+    into the generator) and whose second follows it, and whose ``fn`` is only recomputed: the
+    forward runs in the region's scope between the two steps, the recomputations through
+    :func:`_routed`."""
+    @functools.wraps(generator)
+    def routing_generator(fn, *options, **kwargs):
+        region = _routed(fn)
+        if region is fn:
+            return (yield from generator(fn, *options, **kwargs))
+        steps = generator(region, *options, **kwargs)
+        next(steps)
+        with region.scope():
+            try:
+                yield
+            except BaseException as error:
+                steps.throw(error)
+                raise
+        return (yield from steps)
+
+    routing_generator.__torch_pallas_routes__ = True
+    return routing_generator
+
+
+# Where torch keeps its checkpoints' recomputing parts (private): torch.utils.checkpoint's
+# reentrant Function (torch 2.9 to 2.15) and the generator of its non-reentrant mode (torch 2.9 to
+# 2.13: _checkpoint_without_reentrant_generator(fn, ...); 2.14 calls an _impl(fn, ...) and keeps the
+# first name as a shim around it), and the composable checkpoint of FSDP2's recipes, which imports
+# the generator by name.
+_NON_REENTRANT = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+_COMPOSABLE_CHECKPOINT = "torch.distributed._composable.checkpoint_activation"
+
+
+def _route_torch_checkpoints() -> None:
+    """Makes torch's checkpoints (``torch.utils.checkpoint.checkpoint`` in both modes, which
+    transformers' ``gradient_checkpointing_enable()`` and PEFT use; FSDP2's composable
+    ``checkpoint``; the stack's own, torch_xla's) run a region entered inside
+    :func:`route_dropout` as :class:`_RoutedRegion`: the recomputation routed as its forward was,
+    drawing the forward's masks. Outside one, they run as torch wrote them. Called at import: a
+    module that imports the generator later gets this one."""
+    functions = (torch.utils.checkpoint.CheckpointFunction, *bridge.default_front_end().CHECKPOINT_FUNCTIONS)
+    for function in functions:
+        if not getattr(function.forward, "__torch_pallas_routes__", False):
+            function.forward = staticmethod(_routing_reentrant(function.forward))
+    if not any(hasattr(torch.utils.checkpoint, name) for name in _NON_REENTRANT):
+        _checks.warn(f"torch_pallas.route_dropout: torch {torch.__version__}'s torch.utils.checkpoint has none of "
+                     f"{', '.join(_NON_REENTRANT)}: its non-reentrant checkpoint recomputes outside the routing, "
+                     "with torch's masks; use torch_pallas.checkpoint", stacklevel=2)
+    for module in (torch.utils.checkpoint, sys.modules.get(_COMPOSABLE_CHECKPOINT)):
+        for name in _NON_REENTRANT:
+            generator = getattr(module, name, None)
+            if generator is not None and not getattr(generator, "__torch_pallas_routes__", False):
+                setattr(module, name, _routing_non_reentrant(generator))
+
+
+_route_torch_checkpoints()

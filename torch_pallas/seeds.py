@@ -67,18 +67,39 @@ def check_source(seed=None, generator=None) -> None:
         check_generator(generator)
 
 
+class RegionKey:
+    """A key drawn the first time a random op inside a :func:`key_scope` of it asks for one, as
+    that op would draw its own (from the RNG of its device, or the enclosing scope), and the
+    same key ever after: a region that may hold no random op draws nothing."""
+
+    def __init__(self):
+        self.key_data: torch.Tensor | None = None
+
+
 class _KeyScope:
-    def __init__(self, key_data: torch.Tensor):
-        self.key_data = key_data
+    def __init__(self, key: torch.Tensor | RegionKey, depth: int):
+        self.key, self.depth = key, depth
         self.draws = 0
 
-    def next_key(self) -> torch.Tensor:
-        key = fold_in(self.key_data, self.draws)
+    def next_key(self, device: torch.device) -> torch.Tensor:
+        key = self.key
+        if isinstance(key, RegionKey):
+            if key.key_data is None:
+                key.key_data = _scope_key(self.depth, device)
+            key = key.key_data
+        key = fold_in(key, self.draws)
         self.draws += 1
         return key
 
 
 _key_scopes: list[_KeyScope] = []
+
+
+def _scope_key(depth: int, device: torch.device) -> torch.Tensor:
+    """A key drawn without a seed or generator from below the innermost ``depth`` scopes."""
+    if depth:
+        return _key_scopes[depth - 1].next_key(device).to(device)
+    return bridge.draw_key_words(device)
 
 
 @contextlib.contextmanager
@@ -93,15 +114,16 @@ def key_scope(key_data: torch.Tensor) -> Iterator[None]:
 
     Args:
         key_data (Tensor): int32 of shape (2,) on a device torch_pallas runs on, as
-            :func:`key_data` returns.
+            :func:`key_data` returns; or a :class:`RegionKey`, drawn at the scope's first key.
 
     Raises:
         TypeError, ValueError: ``key_data`` is not an int32 (2,) tensor on such a device.
     """
-    if not isinstance(key_data, torch.Tensor) or key_data.dtype != torch.int32 or key_data.shape != (2,):
-        raise TypeError(f"key_data must be an int32 tensor of shape (2,), got {key_data!r:.80}")
-    bridge.check_device(key_data, "key_data")
-    _key_scopes.append(_KeyScope(key_data))
+    if not isinstance(key_data, RegionKey):
+        if not isinstance(key_data, torch.Tensor) or key_data.dtype != torch.int32 or key_data.shape != (2,):
+            raise TypeError(f"key_data must be an int32 tensor of shape (2,), got {key_data!r:.80}")
+        bridge.check_device(key_data, "key_data")
+    _key_scopes.append(_KeyScope(key_data, len(_key_scopes)))
     try:
         yield
     finally:
@@ -138,6 +160,4 @@ def draw(seed, generator, device: torch.device) -> torch.Tensor:
         return key_data_from_seed(seed, device)
     if generator is not None:
         return bridge.torch_key_words(generator=generator).to(device)
-    if _key_scopes:
-        return _key_scopes[-1].next_key().to(device)
-    return bridge.draw_key_words(device)
+    return _scope_key(len(_key_scopes), device)

@@ -20,6 +20,7 @@ MOVE_HINT = "'cpu'"
 GENERATOR_DEVICE_TYPES = ("cpu",)
 GENERATORS = "a CPU torch.Generator"
 SEEDED_BY = "torch.manual_seed"
+CHECKPOINT_FUNCTIONS = ()
 
 
 def platform_is_tpu() -> bool:

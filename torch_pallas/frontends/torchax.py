@@ -37,6 +37,7 @@ MOVE_HINT = "'jax'"
 GENERATOR_DEVICE_TYPES = ("cpu",)
 GENERATORS = "a CPU torch.Generator"
 SEEDED_BY = "torchax.default_env().manual_seed"
+CHECKPOINT_FUNCTIONS = ()
 MESH_TYPE_NAME = "jax.sharding.Mesh"
 
 

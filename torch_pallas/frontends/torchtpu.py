@@ -36,6 +36,7 @@ MOVE_HINT = "'tpu'"
 GENERATOR_DEVICE_TYPES = ("cpu", "tpu")
 GENERATORS = "a CPU or TorchTPU ('tpu') torch.Generator"
 SEEDED_BY = "torch.manual_seed"
+CHECKPOINT_FUNCTIONS = ()
 
 DEVICE_TYPE = "tpu"
 # The TPU generation kernels are lowered for where no TPU says (a key of

@@ -42,6 +42,7 @@ MOVE_HINT = "torch_xla.device()"
 GENERATOR_DEVICE_TYPES = ("cpu",)
 GENERATORS = "a CPU torch.Generator"
 SEEDED_BY = "torch_xla.manual_seed"
+CHECKPOINT_FUNCTIONS = (xla_checkpoint.CheckpointFunction,)
 
 
 def _keep_jax_on_cpu_with_the_cpu_client() -> None:
