@@ -90,6 +90,28 @@ def test_compiled_model_under_routing_compiles_once():
         assert counts[1] == counts[-1], counts
 
 
+def test_fullgraph_openxla_compile_traces_the_routing_after_a_dict_mutation():
+    """torch.compile(backend="openxla", fullgraph=True) of a model inside route_dropout, whose
+    forward mutates a dict first (once inspect.signature's binding stopped dynamo there: "mapping
+    proxy affected by dictionary mutation"), in eval mode (the identity) and training."""
+    model, x = model_and_input()
+    cache = {}
+
+    def forward(x):
+        cache["calls"] = cache.get("calls", 0) + 1
+        return model(x)
+
+    compiled = torch.compile(forward, backend="openxla", fullgraph=True)
+    for training in (False, True):
+        model.train(training)
+        torch_xla.manual_seed(7)
+        with torch_pallas.route_dropout():
+            out = compiled(x)
+        assert bernoullis(out) == 0
+        if not training:
+            torch.testing.assert_close(out.cpu(), model(x).cpu())
+
+
 def test_attention_with_dropout_is_routed_and_the_rest_stays_torchs(monkeypatch):
     keys = record_dropout_keys(monkeypatch)
     q = torch.randn(2, 2, 8, 8, device=torch_xla.device())

@@ -3,8 +3,6 @@ not ``nn.Dropout`` modules (``F.dropout`` calls in a model's forward) are reache
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -16,16 +14,32 @@ from torch_pallas.kernels import arguments
 
 __all__ = ["route_dropout"]
 
-# torch's function -> (its signature, to bind calls; ours, with the same leading parameters)
+
+# The calls' arguments by name, as torch binds them: plain functions, which dynamo traces (it
+# cannot trace inspect.signature's binding, nor read its mapping proxy once traced code has
+# mutated a dict), raising TypeError for calls torch would reject.
+def _dropout_arguments(input, p=0.5, training=True, inplace=False):
+    return input, p, training, inplace
+
+
+def _torch_dropout_arguments(input, p, train):
+    return input, p, train, False
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    return dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=scale, enable_gqa=enable_gqa)
+
+
+# torch's function -> (its arguments' parser; ours, with the same leading parameters)
 _DROPOUTS = {
-    F.dropout: (inspect.signature(F.dropout), functional.dropout),
-    torch.dropout: (inspect.signature(lambda input, p, train: None), functional.dropout),
-    F.dropout1d: (inspect.signature(F.dropout1d), functional.dropout1d),
-    F.dropout2d: (inspect.signature(F.dropout2d), functional.dropout2d),
-    F.dropout3d: (inspect.signature(F.dropout3d), functional.dropout3d),
+    F.dropout: (_dropout_arguments, functional.dropout),
+    torch.dropout: (_torch_dropout_arguments, functional.dropout),
+    F.dropout1d: (_dropout_arguments, functional.dropout1d),
+    F.dropout2d: (_dropout_arguments, functional.dropout2d),
+    F.dropout3d: (_dropout_arguments, functional.dropout3d),
 }
-_SDPA_SIGNATURE = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None)
 _SDPA_WARNING = ("torch_pallas.route_dropout: this scaled_dot_product_attention call's dropout_p is applied by torch "
                  "with torch's RNG: {reason}")
 # route_dropout's default fuses F.linear after a dropout for weights of at most this many output features: the
@@ -39,80 +53,58 @@ ATTENTION_ROUTES = ("dropout", "all", "none")
 class route_dropout(TorchFunctionMode):
     r"""Within it, ``torch.nn.functional.dropout``, ``torch.dropout`` (and so every
     ``torch.nn.Dropout`` module) on float tensors on a device torch_pallas runs on
-    (:ref:`devices`) run as :func:`torch_pallas.dropout`, and ``F.dropout1d/2d/3d`` (``nn.Dropout1d/2d/3d``) as
-    their torch_pallas counterparts.
+    (:ref:`devices`) run as :func:`torch_pallas.dropout`, ``F.dropout1d/2d/3d`` as their
+    torch_pallas counterparts, and ``F.scaled_dot_product_attention(..., dropout_p > 0)`` (a
+    transformers model's default ``sdpa`` attention) on accelerator tensors as
+    :func:`torch_pallas.scaled_dot_product_attention`; what torch_pallas does not take goes to
+    torch unchanged (SDPA calls with dropout warn once per call site), and so do
+    ``F.alpha_dropout`` and ``F.feature_alpha_dropout``, which keep a SELU network's statistics.
 
-    A :class:`torch.overrides.TorchFunctionMode`: it works in eager mode and under
-    ``torch.compile(backend="openxla")`` (dynamo traces the mode), entered around the
-    compiled call or inside the compiled function. Calls on other devices, or on tensors
-    that are not floating point, go to torch unchanged, and so do ``F.alpha_dropout`` and
-    ``F.feature_alpha_dropout`` (``nn.AlphaDropout``, ``nn.FeatureAlphaDropout``): they keep a
-    SELU network's mean and variance, which ordinary dropout would not. Keys come from the RNG of the
-    input's device (or the enclosing :func:`torch_pallas.seeds.key_scope`, as inside
-    :func:`torch_pallas.checkpoint`).
-    ``F.scaled_dot_product_attention(..., dropout_p > 0)`` on XLA, torchax or TorchTPU tensors of a
-    dtype it takes runs as :func:`torch_pallas.scaled_dot_product_attention` (flash kernels,
-    the mask from a key; transformers models' default ``sdpa`` attention); other calls with
-    ``dropout_p > 0`` stay torch's and warn once per call site. On torchax, whose own
-    function mode takes SDPA whole, this holds whether torchax's environment is entered
-    inside this mode or outside it (:func:`torch_pallas.bridge.defer_function_to_mode`).
+    A :class:`torch.overrides.TorchFunctionMode`: eager, under ``torch.compile`` (entered around
+    the compiled call or inside it; ``fullgraph=True`` works) and ``torch.fx`` tracing, which
+    records the calls as written. Keys come from the RNG of the input's device (:ref:`where
+    keys come from <key-sources>`). ``torch.utils.checkpoint`` (both modes; transformers'
+    ``gradient_checkpointing_enable()``), FSDP2's ``checkpoint`` and torch_xla's checkpoint of a
+    region entered inside it recompute that region routed, each dropout with its forward's mask,
+    whether ``backward()`` runs inside the scope or after it (autograd runs the backward pass
+    outside every function mode: :mod:`torch_pallas.checkpointing`).
+
+    On tensors that run lazily (torch_xla's; torchax's inside a JAX trace) what reads a dropout's
+    output runs in one kernel with it, which then keeps no dropped copy for the backward pass
+    (:ref:`what each saves <fusion>`):
+
+    - a residual add, ``residual + dropout(x)`` (``+=``, ``torch.add``), as
+      :func:`torch_pallas.dropout_add`: the same mask; the sum is computed in float32 and
+      rounded once, the exact sum rounded to the tensor's dtype (to within float32's rounding),
+      where torch rounds the dropped value and then the sum: equal for float32, and for 16-bit
+      tensors at least as close to the exact sum;
+    - eager attention's ``dropout(softmax(scores)) @ value``, as
+      :func:`torch_pallas.dropout_matmul`, with the softmax too (rows of at most 16384 scores),
+      and as :func:`torch_pallas.scaled_dot_product_attention` where the scores are
+      ``query @ key.transpose(-2, -1)``, scaled, masked by a selection or an added mask (BERT's,
+      GPT-2's, ViT's eager attention); within float32 rounding of unfused;
+    - a linear layer of at most 128 output features, ``F.linear(dropout(x), weight)`` (PEFT's
+      ``lora_A``, classifier heads), as :func:`torch_pallas.dropout_linear`; wider ones are not
+      faster fused.
+
+    Fused or not, each dropout draws one mask: a fused kernel draws the mask the dropout's output
+    holds. The output of a softmax over the last dim computed inside this scope (and its dtype
+    conversions) is attention weights, whose dropout draws the mask the attention kernels draw
+    (per tile of each ``L x S`` plane with the default ``impl="tiled"``;
+    :func:`torch_pallas.dropout_matmul`): the one mask here that is not
+    :func:`torch_pallas.dropout`'s for the same key with the per-tile impls (``"tiled"``,
+    ``"hardware"``; with ``"threefry"`` the two are one). Reading the dropped weights elsewhere
+    (``output_attentions=True``) gives that mask too.
 
     Args:
-        impl (str, optional): the routed calls' noise generator, as
-            :class:`torch_pallas.nn.Dropout` takes it.
-        attention (str): which ``F.scaled_dot_product_attention`` calls on XLA tensors run
-            as torch_pallas's: ``"dropout"`` (default) those with ``dropout_p > 0``,
-            ``"all"`` every one (evaluation too), ``"none"`` none.
-        fuse_matmul (bool): run ``torch.matmul`` (``@``, ``Tensor.matmul``) of a routed
-            ``F.dropout`` / ``torch.dropout`` output ``(*batch, L, S)`` (eager attention's
-            dropped weights) and a value ``(*batch, S, Ev)`` of its batch dims, dtype and
-            device as :func:`torch_pallas.dropout_matmul` with the dropout's key: one kernel
-            that keeps no dropped weights for the backward pass. When the dropout's input is
-            ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` of scores over their last
-            dim (in their dtype), rows of at most 16384, the softmax joins the kernel too
-            (computed in float32 and rounded once, whole rows per block: within float32
-            rounding of unfused), and only the scores are kept. When the scores are
-            ``query @ key.transpose(-2, -1)`` of one batch shape, then at most one ``*`` or
-            ``/`` by a number (a Python number or a 0-dim ``torch.full``), then at most one
-            ``torch.where(keep, scores, fill)`` or ``scores.masked_fill(dropped, fill)`` with a
-            boolean mask and the dtype's lowest number (not ``-inf``), then at most one
-            added mask of their dtype that broadcasts to them (BERT's, ViT's and GPT-2's eager
-            attention), the whole attention runs
-            as :func:`torch_pallas.scaled_dot_product_attention` with the dropout's key (the
-            same mask), and nothing of size ``L x S`` is kept. Converted
-            :class:`torch_pallas.nn.Dropout` modules are fused as routed ``F.dropout`` calls
-            are. With ``impl="threefry"`` the same mask; with ``impl="tiled"`` (the default) or
-            ``"hardware"`` the mask is drawn per attention tile
-            (:func:`torch_pallas.dropout_matmul`), not the one the dropout's own output
-            holds, so read that output nowhere else (``output_attentions``) with this on.
-            Lazily run tensors only, as ``fuse_residual``; not under ``torch.func``'s
-            transforms. Default: ``False``, for that mask.
-        fuse_linear (bool, optional): run ``F.linear`` (``nn.Linear``) of a routed
-            ``F.dropout`` / ``torch.dropout`` output, or a converted
-            :class:`torch_pallas.nn.Dropout`'s, as :func:`torch_pallas.dropout_linear` with the
-            dropout's key: the dropout's mask bit for bit on every impl, the unfused calls'
-            values and gradients (the product accumulated in float32), and autograd keeps the
-            dropout's input, not the dropped copy. Where that input is a 16-bit tensor's
-            ``.to(torch.float32)``, as PEFT's float32 adapters cast a bfloat16 model's
-            activations, the kernel reads the 16-bit tensor. ``None`` (default): the layers
-            where it pays, those with at most 128 output features (PEFT's LoRA
-            ``lora_A(dropout(x))`` at its ranks, faster in every LoRA step measured; a
-            classifier head); ``True``: every one (T5's ``wo(dropout(h))`` too, whose 768
-            output features take longer fused: docs/lora.md); ``False``: none. A dropout
-            output also read elsewhere runs its own kernel too, and each fused layer draws the
-            mask again. Lazily run tensors only (torch_xla's lazy tensors, torchax's inside a
-            JAX trace); not under ``torch.compile`` or ``torch.func``'s transforms.
-        fuse_residual (bool): run an add of a routed ``F.dropout`` / ``torch.dropout``
-            output and a tensor of its shape, dtype and device (``residual + dropout(x)``,
-            ``dropout(x) + residual``, ``torch.add``, ``residual += dropout(x)``, ``add_``)
-            as :func:`torch_pallas.dropout_add` with the dropout's key: the same mask, the
-            sum rounded once in float32 (the same bits as unfused for float32 and float64
-            tensors). On tensors that run lazily (torch_xla's, torchax's inside a JAX
-            trace), where the dropout's own kernel then never runs; not on eager CPU
-            tensors, and not under ``torch.compile``, where the ``"torch_pallas"`` backend
-            fuses instead. Not if the dropout's input or output was written in place in
-            between. Default: ``False``: a 16-bit sum rounded once may differ from torch's
-            two roundings.
+        impl (str, optional): the noise generator, as :class:`torch_pallas.nn.Dropout` takes it.
+        attention (str): which ``F.scaled_dot_product_attention`` calls run as torch_pallas's:
+            ``"dropout"`` (default) those with ``dropout_p > 0``, ``"all"`` every one, ``"none"``
+            none.
+        fuse_residual (bool), fuse_matmul (bool): ``False`` leaves residual adds, eager
+            attention's products unfused. Default: ``True``.
+        fuse_linear (bool, optional): ``False`` fuses no linear layer, ``True`` every one.
+            Default: ``None``, those of at most 128 output features.
 
     Raises:
         ValueError: an unknown ``impl`` or ``attention``, or ``impl="hardware"`` off TPU.
@@ -126,8 +118,8 @@ class route_dropout(TorchFunctionMode):
         >>> loss.backward()                  # masks regenerated from their keys
     """
 
-    def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = False,
-                 fuse_matmul: bool = False, fuse_linear: bool | None = None):
+    def __init__(self, *, impl=None, attention: str = "dropout", fuse_residual: bool = True,
+                 fuse_matmul: bool = True, fuse_linear: bool | None = None):
         super().__init__()
         _checks.resolve_impl(impl)
         self.impl = impl
@@ -143,60 +135,82 @@ class route_dropout(TorchFunctionMode):
         self.fuse_linear = fuse_linear
 
     def _fuses(self, input: torch.Tensor) -> bool:
-        """Whether a dropout of ``input`` routed here runs as one whose reader may fuse it: with
-        ``fuse_residual`` or ``fuse_matmul``, or ``fuse_linear`` on a lazily run tensor (the
-        default leaves every other dropout as it was)."""
-        return (self.fuse_residual or self.fuse_matmul
-                or (self.fuse_linear is not False and isinstance(input, torch.Tensor)
-                    and not torch.compiler.is_compiling() and bridge.runs_lazily(input)))
+        """Whether a dropout of ``input`` routed here remembers its key for what reads it to fuse
+        with it: with any fusion on."""
+        return self.fuse_residual or self.fuse_matmul or self.fuse_linear is not False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _TAKEN or _traced_by_fx(args, kwargs):
+            # torch.fx records a call as it is written (the recorded graph runs the functions a
+            # model calls when it runs, inside this mode or not).
+            return func(*args, **kwargs)
         if func in _DROPOUTS:
-            signature, ours = _DROPOUTS[func]
-            call = signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            input, p, training = call.args[:3]
-            if input.is_floating_point() and bridge.runs_on(input.device):
-                inplace = call.arguments.get("inplace", False)
-                if ours is functional.dropout and not inplace and not bridge.is_dtensor(input) and self._fuses(input):
-                    return residual_fusion.routed_dropout(input, p, training, self.impl)
+            parse, ours = _DROPOUTS[func]
+            input, p, training, inplace = parse(*args, **kwargs)
+            if not (isinstance(input, torch.Tensor) and input.is_floating_point() and bridge.runs_on(input.device)):
+                return func(*args, **kwargs)
+            if ours is not functional.dropout:
                 return ours(input, p, training, inplace, impl=self.impl)
-        elif ((self.fuse_residual or self.fuse_matmul) and func in residual_fusion.ADDS
-              and not torch.compiler.is_compiling()):
+            output = residual_fusion.routed_dropout(input, p, training, self.impl,
+                                                    fusing=not inplace and self._fuses(input))
+            return input.copy_(output) if inplace and output is not input else output
+        if func in residual_fusion.SOFTMAXES:
+            return residual_fusion.remembered_softmax(func, args, kwargs,
+                                                      self.fuse_matmul and not torch.compiler.is_compiling())
+        if func in residual_fusion.CONVERSIONS:
+            return residual_fusion.converted(func, args, kwargs,
+                                             self.fuse_linear is not False and not torch.compiler.is_compiling())
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
+        if torch.compiler.is_compiling():
+            # What follows remembers tensors' versions, which dynamo cannot trace; the
+            # "torch_pallas" backend fuses residual adds in the compiled graph instead.
+            return func(*args, **kwargs)
+        if func in residual_fusion.ADDS and (self.fuse_residual or self.fuse_matmul):
             fused = residual_fusion.fused_add(func, args, kwargs) if self.fuse_residual else None
             if fused is not None:
                 return fused
             if self.fuse_matmul:
                 return residual_fusion.remembered_scores(func, args, kwargs)
-        elif self.fuse_linear is not False and func is torch.Tensor.to and not torch.compiler.is_compiling():
-            return residual_fusion.remembered_widening(func, args, kwargs)
-        elif self.fuse_linear is not False and func is F.linear and not torch.compiler.is_compiling():
+        elif func is F.linear and self.fuse_linear is not False:
             fused = residual_fusion.fused_linear(args, kwargs, None if self.fuse_linear else SKINNY_LINEAR_FEATURES)
             if fused is not None:
                 return fused
-        elif self.fuse_matmul and func in residual_fusion.MATMULS and not torch.compiler.is_compiling():
+        elif func in residual_fusion.MATMULS and self.fuse_matmul:
             fused = residual_fusion.fused_matmul(func, args, kwargs)
             return fused if fused is not None else residual_fusion.remembered_scores(func, args, kwargs)
-        elif (self.fuse_matmul and (func in residual_fusion.SCALINGS or func in residual_fusion.SELECTIONS)
-              and not torch.compiler.is_compiling()):
+        elif (func in residual_fusion.SCALINGS or func in residual_fusion.SELECTIONS) and self.fuse_matmul:
             return residual_fusion.remembered_scores(func, args, kwargs)
-        elif self.fuse_matmul and func is torch.full and not torch.compiler.is_compiling():
+        elif func is torch.full and self.fuse_matmul:
             return residual_fusion.remembered_number(func, args, kwargs)
-        elif self.fuse_matmul and func in residual_fusion.SOFTMAXES and not torch.compiler.is_compiling():
-            return residual_fusion.remembered_softmax(func, args, kwargs)
-        elif func is F.scaled_dot_product_attention and self.attention != "none":
-            call = _SDPA_SIGNATURE.bind(*args, **kwargs)
-            call.apply_defaults()
-            dropout_p = call.arguments["dropout_p"]
+        return func(*args, **kwargs)
+
+    def _attention(self, func, args, kwargs):
+        """An SDPA call: torch_pallas's attention where it takes it (see the class docstring)."""
+        if self.attention != "none":
+            arguments = _sdpa_arguments(*args, **kwargs)
+            dropout_p = arguments["dropout_p"]
             if dropout_p or self.attention == "all":
-                refusal = _attention_refusal(**call.arguments)
+                refusal = _attention_refusal(**arguments)
                 if refusal is None:
-                    return scaled_dot_product_attention(**call.arguments, impl=self.impl)
+                    return scaled_dot_product_attention(**arguments, impl=self.impl)
                 if dropout_p:
                     # No state kept here, so that dynamo has nothing to guard on and recompile for.
-                    _checks.warn(_SDPA_WARNING.format(reason=refusal), stacklevel=2)
+                    _checks.warn(_SDPA_WARNING.format(reason=refusal), stacklevel=3)
         return func(*args, **kwargs)
+
+
+# Every torch function route_dropout does anything with; it hands any other call on untouched.
+_TAKEN = frozenset((*_DROPOUTS, *residual_fusion.SOFTMAXES, *residual_fusion.CONVERSIONS,
+                    F.scaled_dot_product_attention, *residual_fusion.ADDS, F.linear, *residual_fusion.MATMULS,
+                    *residual_fusion.SCALINGS, *residual_fusion.SELECTIONS, torch.full))
+
+
+def _traced_by_fx(args, kwargs) -> bool:
+    """Whether a call's arguments hold a ``torch.fx.Proxy`` (symbolic tracing: ``torch.fx.symbolic_trace``,
+    transformers' ``HFTracer``)."""
+    return any(isinstance(arg, torch.fx.Proxy) for arg in (*args, *kwargs.values()))
 
 
 def fusing_route(input: torch.Tensor) -> route_dropout | None:

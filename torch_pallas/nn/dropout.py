@@ -24,10 +24,21 @@ class _KeyedDropout:
         self.impl = impl
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _recorded_by_fx(self, input)
         return self._function(input, self.p, self.training, self.inplace, impl=self.impl)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", impl={self.impl!r}" if self.impl is not None else "")
+
+
+def _recorded_by_fx(module: torch.nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
+    """The call of ``module`` as ``torch.fx``'s symbolic tracing records it: one call of the module
+    (a leaf, as torch's own dropout modules are), which runs it when the traced graph runs. fx
+    takes only ``torch.nn``'s modules for leaves and traces into every other module's
+    ``forward``, whose argument checks take tensors, not proxies."""
+    tracer = input.tracer
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), (input,), {})
 
 
 class Dropout(_KeyedDropout, torch.nn.Dropout):
@@ -87,11 +98,17 @@ class Dropout(_KeyedDropout, torch.nn.Dropout):
         self.mesh, self.partition_spec = mesh, None if partition_spec is None else tuple(partition_spec)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.inplace and routing.fusing_route(input) is not None:
-            # As a routed F.dropout: what reads the output may run fused with it (with a
-            # partition_spec, per shard: FSDPv2's LoRA dropouts before their lora_A).
+        if isinstance(input, torch.fx.Proxy):
+            return _recorded_by_fx(self, input)
+        route = routing.fusing_route(input)
+        if route is not None or residual_fusion.is_attention_weights(input):
+            # As a routed F.dropout: the mask of attention weights, and what reads the output
+            # may run fused with it (with a partition_spec, per shard: FSDPv2's LoRA dropouts
+            # before their lora_A).
             _checks.check_tensor(input, "input")
-            return residual_fusion.routed_dropout(input, self.p, self.training, self.impl, self._sharding)
+            output = residual_fusion.routed_dropout(input, self.p, self.training, self.impl, self._sharding,
+                                                    fusing=route is not None and not self.inplace)
+            return input.copy_(output) if self.inplace and output is not input else output
         if self.mesh is None:
             return super().forward(input)
         _checks.check_tensor(input, "input")

@@ -1,0 +1,4 @@
+"""route_dropout with torch's checkpoints, torch.compile and torch.fx on CPU tensors, on the torch_xla
+stack (tests/routing_cases.py)."""
+
+from routing_cases import *  # noqa: F401,F403  (the test_* cases)
