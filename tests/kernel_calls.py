@@ -8,9 +8,13 @@ from torch.overrides import TorchFunctionMode
 
 from torch_pallas import bridge
 from torch_pallas.kernels import attention as attention_kernels, dropout as dropout_kernels
+from torch_pallas.kernels import dropout_matmul as dropout_matmul_kernels
 
-# The kernels that draw a dropout mask from their first operand, the key data.
-DROPOUT_KERNELS = (dropout_kernels.dropout, attention_kernels.attention_forward, attention_kernels.attention_backward)
+# The kernels that draw a dropout mask from their first operand, the key data: one call per dropout
+# (a routed dropout's own kernel is called even where a fused kernel reads its input instead, its
+# node then dead: the fused kernels are left out), attention's, and attention weights' dropped alone.
+DROPOUT_KERNELS = (dropout_kernels.dropout, attention_kernels.attention_forward, attention_kernels.attention_backward,
+                   dropout_matmul_kernels.dropout_weights)
 
 
 def record_dropout_keys(monkeypatch) -> list:

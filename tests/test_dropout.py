@@ -512,15 +512,21 @@ def test_dropout_matmul_is_dropout_then_matmul_with_its_mask_and_gradients(dtype
 
 def test_dropout_matmul_is_dropouts_mask_and_takes_what_matmul_takes():
     """threefry: the same weights dropped as torch_pallas.dropout's for the key; a pair the
-    kernel does not take (a broadcast value, float64) is computed as dropout then matmul."""
+    kernel does not take (a broadcast value, a vector) is computed as the weights dropped with
+    the kernel's mask, then matmul; float64 weights (no kernel draws that mask) as dropout then
+    matmul."""
     weights = positive(WEIGHTS_SHAPE)
     value = xla(torch.randn(VALUE_SHAPE, generator=torch.Generator().manual_seed(6)))
     dropped = torch_pallas.dropout(weights, 0.4, seed=7, impl="threefry")
     torch.testing.assert_close(torch_pallas.dropout_matmul(weights, value, 0.4, seed=7, impl="threefry").cpu(),
                                (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
-    for w, v in ((weights, value[0]), (weights.double(), value.double()), (weights[0, 0], value[0, 0, :, 0])):
-        assert torch.equal(torch_pallas.dropout_matmul(w, v, 0.4, seed=7).cpu(),
-                           (torch_pallas.dropout(w, 0.4, seed=7) @ v).cpu())
+    identity = xla(torch.eye(weights.shape[-1]).expand(*weights.shape[:-2], -1, -1).contiguous())
+    kernels_dropped = torch_pallas.dropout_matmul(weights, identity, 0.4, seed=7)  # (exact: one 1 per column)
+    for w, v, w_dropped in ((weights, value[0], kernels_dropped),
+                            (weights[0, 0], value[0, 0, :, 0], kernels_dropped[0, 0])):
+        assert torch.equal(torch_pallas.dropout_matmul(w, v, 0.4, seed=7).cpu(), (w_dropped @ v).cpu())
+    assert torch.equal(torch_pallas.dropout_matmul(weights.double(), value.double(), 0.4, seed=7).cpu(),
+                       (torch_pallas.dropout(weights.double(), 0.4, seed=7) @ value.double()).cpu())
     eager = torch_pallas.dropout_matmul(weights.cpu(), value.cpu(), 0.4, seed=7, impl="threefry")
     torch.testing.assert_close(eager, (dropped @ value).cpu(), rtol=1e-5, atol=1e-5)
 

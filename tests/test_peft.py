@@ -46,17 +46,22 @@ def ids():
 
 def step(model, fuse: bool):
     """One forward and backward from XLA seed 0: the loss, the LoRA weights' gradients, and the
-    torch_pallas kernels of the forward graph (operand counts: 3 for dropout_linear's) with the
-    dtype of each one's second operand (what it drops: ``bf16``, ``f32``)."""
+    torch_pallas kernels of the forward graph (3 for dropout_linear's, 2 for dropout's, 0 for the
+    others) with the dtype of each one's second operand (what it drops: ``bf16``, ``f32``), under
+    ``route_dropout()`` or, without ``fuse``, with ``fuse_linear=False``."""
     model.zero_grad(set_to_none=True)
     torch_xla.manual_seed(0)
-    with torch_pallas.route_dropout(fuse_linear=fuse):
+    with torch_pallas.route_dropout(**({} if fuse else dict(fuse_linear=False))):
         batch = ids()
         loss = model(input_ids=batch, labels=batch).loss
     shapes, calls = kernel_calls(loss)
     loss.backward()
     grads = [p.grad for name, p in model.named_parameters() if p.requires_grad]
-    return [loss, *grads], [(len(operands), shapes.get(operands[1], "?").split("[")[0]) for _, operands in calls]
+    # dropout_linear's third operand is its 2-D weight (dropout_add's its residual, of x's shape)
+    dims = [shapes.get(operands[-1], "[]").split("[")[1].split("]")[0] for _, operands in calls]
+    linear = [len(operands) == 3 and dims.count(",") == 1 for dims, (_, operands) in zip(dims, calls)]
+    return [loss, *grads], [(3 if is_linear else 2 if len(operands) == 2 else 0, shapes.get(operands[1], "?").split("[")[0])
+                            for is_linear, (_, operands) in zip(linear, calls)]
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["routed", "converted"])

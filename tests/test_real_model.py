@@ -33,10 +33,12 @@ def test_every_dropout_is_routed_and_recomputation_reuses_the_forward_keys(monke
     forward = list(keys)
     loss.backward()
     backward = keys[len(forward):]
-    # Each of torch's dropouts became one torch_pallas dropout with its own key, and the
-    # checkpointed recomputation drew the same keys (the backward kernels too).
-    assert torch_dropouts > 0 and len(forward) == len(set(forward)) == torch_dropouts
-    assert len(backward) == 2 * len(forward) and set(backward) == set(forward)
+    # Each of torch's dropouts became one torch_pallas dropout with its own key (eager attention's
+    # drawn by its dropped weights' kernel, dead, and by the fused attention kernel that reads them),
+    # and the checkpointed recomputation drew the same keys, each as often, the backward kernels once more.
+    assert torch_dropouts > 0 and len(set(forward)) == torch_dropouts
+    recomputed = collections.Counter(backward) - collections.Counter(forward)
+    assert set(backward) == set(forward) and sorted(recomputed.elements()) == sorted(set(forward))
 
 
 def test_compiled_training_with_checkpointing_learns_and_compiles_nothing_after_warm_up():

@@ -261,11 +261,17 @@ def test_softmax_dropout_and_matmul_are_one_kernel_with_the_unfused_mask(form, s
 
 def test_a_softmax_it_cannot_take_is_left_before_the_fused_product():
     s, v = integers(2, 16, 256), integers(2, 256, 8)
-    for softmax in (lambda s: F.softmax(s, dim=1), lambda s: F.softmax(s, dim=-1, dtype=torch.float64).float(),
-                    lambda s: F.softmax(s, dim=-1).mul_(1)):  # another dim, another dtype, written in place
-        with torch_pallas.route_dropout(fuse_matmul=True):
+    # another dtype (converted back: still attention weights), written in place
+    for softmax in (lambda s: F.softmax(s, dim=-1, dtype=torch.float64).float(), lambda s: F.softmax(s, dim=-1).mul_(1)):
+        with torch_pallas.route_dropout():
             out = F.dropout(softmax(s), 0.5) @ v
         assert kernel_nodes(out, matmul=True)["dropout_matmul"] == 1 and has_softmax(out)
+    # A softmax over another dim is not attention weights: with a per-tile impl its dropout draws
+    # dropout's mask, not the fused kernel's, and the product is torch's; threefry's is one mask.
+    for impl, fused in (("tiled", 0), ("threefry", 1)):
+        with torch_pallas.route_dropout(impl=impl):
+            out = F.dropout(F.softmax(s, dim=1), 0.5) @ v
+        assert kernel_nodes(out, matmul=True)["dropout_matmul"] == fused and has_softmax(out)
     long_rows, long_value = integers(1, 8, 16385), integers(1, 16385, 8)  # a block of 8 whole rows would not fit VMEM
     with torch_pallas.route_dropout(fuse_matmul=True):
         out = F.dropout(F.softmax(long_rows, dim=-1), 0.5) @ long_value
@@ -464,7 +470,7 @@ def test_transformers_models_residual_dropouts_are_fused(make_model):
     model, inputs = make_model()
     model = model.to(DEVICE).train()
     inputs = {name: value.to(DEVICE) for name, value in inputs.items()}
-    with torch_pallas.route_dropout(fuse_residual=True):
+    with torch_pallas.route_dropout(fuse_matmul=False):  # T5's eager attention unfused
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
     # T5's feed-forward wo(dropout(relu(wi(h)))), here of 64 output features: one dropout_linear kernel per
@@ -487,7 +493,7 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
     model, inputs = make_model(attn_implementation="eager")
     model = model.to(DEVICE).train()
     inputs = {name: value.to(DEVICE) for name, value in inputs.items()}
-    with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True, fuse_linear=True):
+    with torch_pallas.route_dropout():  # the defaults: what the README's one line gives
         hidden = model(**inputs).last_hidden_state
     fused, standalone = FUSED_AND_STANDALONE[make_model]
     layers = 2
@@ -499,6 +505,35 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
         "dropout_matmul": 0 if whole else layers, "dropout_linear": t5_linears}
     assert attention_nodes(hidden) == (layers if whole else 0)
     assert not has_softmax(hidden)  # each layer's softmax is in its kernel too
+
+
+@needs_transformers
+@pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
+def test_attention_weights_read_elsewhere_hold_the_fused_kernels_mask(make_model):
+    """``output_attentions=True`` returns each layer's dropped attention weights beside its output:
+    with the attention fused (the defaults) they hold the mask the fused kernel drew, so the
+    outputs and the weights equal those of the unfused attention (``fuse_matmul=False``: the
+    weights dropped by their own kernel, then torch's product) for the same XLA seed."""
+    torch.manual_seed(0)
+    model, inputs = make_model(attn_implementation="eager")
+    model = model.to(DEVICE).train()
+    inputs = {name: value.to(DEVICE) for name, value in inputs.items()}
+    results = []
+    for fuse_matmul in (True, False):
+        torch_xla.manual_seed(4)
+        with torch_pallas.route_dropout(fuse_matmul=fuse_matmul):
+            out = model(**inputs, output_attentions=True)
+        # fused: each layer's product is the fused kernel's (not the dropped weights' matmul)
+        fused_products = attention_nodes(out.last_hidden_state) + kernel_nodes(
+            out.last_hidden_state, matmul=True, linear=True)["dropout_matmul"]
+        assert fused_products == (2 if fuse_matmul else 0)
+        results.append([out.last_hidden_state, *out.attentions])
+    (fused, *fused_weights), (unfused, *unfused_weights) = read_together(*results)
+    for got, want in zip(fused_weights, unfused_weights):
+        # (the softmax before them is XLA's in both, compiled into other graphs: to float32 rounding)
+        assert torch.equal(got == 0, want == 0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
 @needs_transformers

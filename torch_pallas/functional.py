@@ -85,7 +85,10 @@ def dropout_under_sharding(x: torch.Tensor, p: float, training: bool, inplace: b
 
 class DrawnDropout(NamedTuple):
     """A dropout of ``x`` whose key is drawn: what its output, and a residual added to it,
-    are computed from. ``key_data`` is ``None`` when ``p == 1`` (no mask to draw)."""
+    are computed from. ``key_data`` is ``None`` when ``p == 1`` (no mask to draw).
+    ``attention_layout``: ``x`` holds ``(*batch, L, S)`` attention weights whose mask is drawn as
+    the attention kernels draw theirs (:func:`draws_attention_layout`), so that their product
+    with a value may run fused with this very mask."""
 
     x: torch.Tensor
     key_data: torch.Tensor | None
@@ -93,10 +96,14 @@ class DrawnDropout(NamedTuple):
     impl: str
     shared_over_first_dim: bool
     sharding_text: str | None
+    attention_layout: bool = False
 
     def output(self) -> torch.Tensor:
         if self.key_data is None:
             return self.x * 0  # as torch's: NaN and infinities give NaN, and so do their gradients
+        if self.attention_layout:
+            return self._on_planes(lambda weights, **block: dropout_matmul_ops.apply_dropout_weights(
+                weights, self.key_data, p=self.p, impl=self.impl, **block), ())
         if bridge.is_dtensor(self.x):
             return dtensors.shardwise(self.x, None, lambda x, _: self._dropout_of_shard(x), self._dropout_of_shard)
         return dropout_ops.apply(self.x, self.key_data, p=self.p, impl=self.impl,
@@ -112,11 +119,29 @@ class DrawnDropout(NamedTuple):
         return dtensors.map_noise_blocks(x, (), dropout_of_block, impl=self.impl,
                                          shared_over_first_dim=self.shared_over_first_dim)
 
+    def _on_planes(self, block_op, others: tuple) -> torch.Tensor:
+        """``block_op(x, *others)`` of ``(*batch, L, S)`` weights and tensors of their batch dims
+        (``others``), a kernel drawing the weights' attention mask; for DTensors split over
+        batch dims (:func:`draws_attention_layout`), on each rank's planes, the kernel told
+        where they are (``global_batch``, ``global_offset``)."""
+        weights = self.x
+        if not bridge.is_dtensor(weights):
+            return block_op(weights, *others)
+        _, offset = dtensors.local_block(tuple(weights.shape), weights.device_mesh, weights.placements)
+        batch = tuple(weights.shape[:-2])
+        first_plane = dtensors.flat_offset(offset[:-2], batch)
+        return dtensors.on_local_shards(
+            lambda *locals: block_op(*locals, global_batch=batch, global_offset=first_plane), weights.device_mesh,
+            weights.placements, [(weights.placements, (*weights.shape[:-1], others[0].shape[-1]) if others
+                                  else tuple(weights.shape))], weights, *others)
+
     def added_to(self, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self.output()`` in one kernel (a mask over all of ``x`` only; for a
         DTensor, a residual placed as it is, on local shards)."""
         if self.key_data is None:
             return self.x * 0 + residual
+        if self.attention_layout:
+            return residual + self.output()
         if bridge.is_dtensor(self.x):
             if not dtensors.placements_match(self.x, residual):
                 return residual + self.output()
@@ -136,6 +161,8 @@ class DrawnDropout(NamedTuple):
         """``F.linear(self.output(), weight, bias)``: in one kernel when :func:`fuses_linear` says
         so; it reads ``narrow`` instead of ``self.x`` where ``self.x`` is ``narrow.to(float32)``
         of a 16-bit ``narrow``."""
+        if self.attention_layout:
+            return torch.nn.functional.linear(self.output(), weight, bias)
         if self.key_data is not None and bridge.is_dtensor(self.x):
             out = self._linear_of_shards(weight)
             if out is not None:
@@ -182,18 +209,8 @@ class DrawnDropout(NamedTuple):
         """``self.output() @ value``: in one kernel when :func:`fuses_matmul` says so, or on each
         rank's shards of DTensors split over batch dims (:func:`matmul_of_shards_fuses`)."""
         if self.key_data is not None and matmul_of_shards_fuses(self, value):
-            weights = self.x
-            _, offset = dtensors.local_block(tuple(weights.shape), weights.device_mesh, weights.placements)
-            batch = tuple(weights.shape[:-2])
-            first_plane = dtensors.flat_offset(offset[:-2], batch)
-
-            def matmul_of_block(weights, value):
-                return dropout_matmul_ops.apply(weights, value, self.key_data, p=self.p, impl=self.impl,
-                                                global_batch=batch, global_offset=first_plane)
-
-            return dtensors.on_local_shards(matmul_of_block, weights.device_mesh, weights.placements,
-                                            [(weights.placements, (*weights.shape[:-1], value.shape[-1]))], weights,
-                                            value)
+            return self._on_planes(lambda weights, value, **block: dropout_matmul_ops.apply(
+                weights, value, self.key_data, p=self.p, impl=self.impl, **block), (value,))
         if self.key_data is not None and fuses_matmul(self, value):
             return dropout_matmul_ops.apply(self.x, value, self.key_data, p=self.p, impl=self.impl)
         return torch.matmul(self.output(), value)
@@ -214,12 +231,38 @@ def _matmul_kernel_takes(drawn: DrawnDropout, value) -> bool:
     return True
 
 
+def draws_attention_layout(x: torch.Tensor, impl: str, shared_over_first_dim: bool = False,
+                           sharding_text: str | None = None) -> bool:
+    """Whether a dropout of attention weights ``x`` draws its mask as the attention kernels draw
+    theirs: with a per-tile impl (threefry's mask is the same either way, drawn from each
+    element's flat index), weights ``(*batch, L, S)`` of a kernel's dtype, one mask over all of
+    them, on one device (not split by SPMD sharding) or a DTensor split over batch dims only
+    (each rank draws its planes' part)."""
+    return (prng.per_tile(impl) and x.dim() >= 2 and x.dtype in _checks.FLOAT_DTYPES and not shared_over_first_dim
+            and sharding_text is None
+            and (not bridge.is_dtensor(x) or _split_over_batch_dims(x)))
+
+
+def _split_over_batch_dims(x) -> bool:
+    """Whether DTensor ``x`` ``(*batch, L, S)`` is replicated or split over its batch dims only."""
+    return all(isinstance(placement, dtensors.Replicate)
+               or (type(placement) is dtensors.Shard and placement.dim % x.dim() < x.dim() - 2)
+               for placement in x.placements)
+
+
+def _draws_kernels_mask(drawn: DrawnDropout) -> bool:
+    """Whether ``drawn``'s mask is the one the dropout_matmul and attention kernels draw for its
+    input: its attention layout, or threefry's (the same mask in either layout)."""
+    return drawn.attention_layout or not prng.per_tile(drawn.impl)
+
+
 def fuses_matmul(drawn: DrawnDropout, value) -> bool:
     """Whether ``drawn``'s output times ``value`` runs as one dropout_matmul kernel: a pair the
     kernel takes (:func:`_matmul_kernel_takes`) on one device, a mask over the whole unsharded
-    weights."""
+    weights, drawn as the kernel draws it (:func:`_draws_kernels_mask`)."""
     weights = drawn.x
-    return (_matmul_kernel_takes(drawn, value) and value.device == weights.device and not bridge.is_dtensor(weights)
+    return (_matmul_kernel_takes(drawn, value) and _draws_kernels_mask(drawn)
+            and value.device == weights.device and not bridge.is_dtensor(weights)
             and not bridge.is_dtensor(value) and drawn.sharding_text is None and sharding.resolve(value) is None)
 
 
@@ -228,11 +271,8 @@ def matmul_of_shards_fuses(drawn: DrawnDropout, value) -> bool:
     each rank's shards: a pair the kernel takes, placed alike, split over batch dims only."""
     weights = drawn.x
     return (bridge.is_dtensor(weights) and bridge.is_dtensor(value) and value.device_mesh == weights.device_mesh
-            and value.placements == weights.placements
-            and all(isinstance(placement, dtensors.Replicate)
-                    or (type(placement) is dtensors.Shard and placement.dim % weights.dim() < weights.dim() - 2)
-                    for placement in weights.placements)
-            and _matmul_kernel_takes(drawn, value))
+            and value.placements == weights.placements and _split_over_batch_dims(weights)
+            and _matmul_kernel_takes(drawn, value) and _draws_kernels_mask(drawn))
 
 
 def fuses_linear(drawn: DrawnDropout, weight, narrow=None) -> bool:
@@ -270,9 +310,11 @@ def _shards_of_rows(sharding_text: str, shape: tuple, impl: str) -> bool:
 
 
 def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shared_over_first_dim: bool,
-                 sharding: Optional[Sharding]) -> DrawnDropout | None:
+                 sharding: Optional[Sharding], attention_weights: bool = False) -> DrawnDropout | None:
     """Checks :func:`dropout`'s arguments and draws its key; ``None`` when nothing is dropped
-    (``training=False`` or ``p == 0``), with no key drawn."""
+    (``training=False`` or ``p == 0``), with no key drawn. ``attention_weights``: ``x`` holds
+    attention weights, whose mask is then drawn in the attention kernels' layout where
+    :func:`draws_attention_layout` says it can be."""
     p, impl = _checks.noise_arguments(p, impl, seed, generator)
     if shared_over_first_dim and x.dim() == 0:
         raise ValueError("shared_over_first_dim needs an input with at least one dimension")
@@ -284,8 +326,9 @@ def draw_dropout(x: torch.Tensor, p, training: bool, seed, generator, impl, shar
     if p == 1.0:
         return DrawnDropout(x, None, p, impl, shared_over_first_dim, None)
     sharding_text = None if sharding is None else sharding.check(x.shape, "x", impl, shared_over_first_dim)
+    attention_layout = attention_weights and draws_attention_layout(x, impl, shared_over_first_dim, sharding_text)
     return DrawnDropout(x, seeds.draw(seed, generator, bridge.device_of(x)), p, impl, shared_over_first_dim,
-                        sharding_text)
+                        sharding_text, attention_layout)
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float = 0.5, training: bool = True, *, seed=None,
@@ -382,7 +425,8 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
         raise TypeError(f"value must have weights' dtype {weights.dtype}, got {value.dtype}")
     if value.device != weights.device:
         raise ValueError(f"value must be on weights' device {weights.device}, got {value.device}")
-    drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights))
+    drawn = draw_dropout(weights, p, training, seed, generator, impl, False, sharding.resolve(weights),
+                         attention_weights=True)
     if (drawn is not None and drawn.key_data is not None and bridge.is_dtensor(weights)
             and prng.per_tile(drawn.impl) and not matmul_of_shards_fuses(drawn, value)):
         raise ValueError(f"dropout_matmul of DTensors runs the fused kernel on each rank's shards when weights "

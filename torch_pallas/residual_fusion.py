@@ -28,7 +28,6 @@ reached depends on how the step is traced:
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import numbers
 from typing import NamedTuple
@@ -48,7 +47,8 @@ BACKEND = "torch_pallas"
 # The out-of-place and in-place adds route_dropout offers to fuse: ``a + b`` and ``a += b``
 # reach a TorchFunctionMode as Tensor.add and Tensor.add_.
 ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_)
-_ADD_SIGNATURE = inspect.signature(lambda input, other, *, alpha=1, out=None: None)
+# Their arguments (a plain function, as route_dropout's parsers).
+_add_arguments = lambda input, other, *, alpha=1, out=None: (input, other, alpha, out)  # noqa: E731
 _DRAWN = "_torch_pallas_drawn_dropout"
 # Numbers the remembered dropouts in the order they ran: an add of two of them fuses the later
 # one, the other being the earlier residual stream, which its own next readers keep live
@@ -57,22 +57,60 @@ _DRAWN = "_torch_pallas_drawn_dropout"
 _draws = itertools.count()
 
 
-def routed_dropout(x: torch.Tensor, p, training: bool, impl,
-                   x_sharding: sharding.Sharding | None = None) -> torch.Tensor:
-    """``torch_pallas.dropout(x, p, training, impl=impl)`` whose output, on tensors that run
-    lazily, remembers its drawn key and the versions of ``x`` and itself, for :func:`fused_add`.
-    ``x_sharding``: the sharding its kernel runs under (a module's, resolved when it was built),
-    by default ``x``'s own."""
+def routed_dropout(x: torch.Tensor, p, training: bool, impl, x_sharding: sharding.Sharding | None = None, *,
+                   fusing: bool = True) -> torch.Tensor:
+    """``torch_pallas.dropout(x, p, training, impl=impl)`` as :func:`torch_pallas.route_dropout`
+    runs it: the mask of attention weights (:func:`is_attention_weights`) drawn as the attention
+    kernels draw theirs, and with ``fusing``, on tensors that run lazily, an output that
+    remembers its drawn key and the versions of ``x`` and itself, for what reads it to fuse
+    with it (:func:`fused_add`, :func:`fused_matmul`, :func:`fused_linear`). ``x_sharding``: the
+    sharding its kernel runs under (a module's, resolved when it was built), by default ``x``'s
+    own."""
     drawn = functional.draw_dropout(x, p, training, None, None, impl, False,
-                                    sharding.resolve(x) if x_sharding is None else x_sharding)
+                                    sharding.resolve(x) if x_sharding is None else x_sharding,
+                                    attention_weights=is_attention_weights(x))
     if drawn is None:
         return x
     output = drawn.output()
     # Under torch.compile the backend fuses (see the module's docstring); eager CPU tensors'
     # kernel has run already.
-    if (drawn.key_data is not None and not torch.compiler.is_compiling() and not bridge.is_dtensor(x)
+    if (fusing and drawn.key_data is not None and not torch.compiler.is_compiling() and not bridge.is_dtensor(x)
             and bridge.runs_lazily(x)):
         _remember(output, _DRAWN, (x,), (next(_draws), drawn))
+    return output
+
+
+# Set on the output of a softmax over the last dim inside route_dropout, and kept by its dtype
+# and device conversions: attention weights, whose dropout draws the attention kernels' mask.
+_ATTENTION_WEIGHTS = "_torch_pallas_attention_weights"
+# ``x.to(...)``, ``x.type(...)``, ``x.type_as(y)``, ``x.float()``, ``x.half()``, ``x.bfloat16()``:
+# how models convert the softmax's output (GPT-2's ``.type(value.dtype)``, Llama's
+# ``.to(query.dtype)`` of a float32 softmax, T5's ``.type_as(scores)``).
+CONVERSIONS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half,
+               torch.Tensor.bfloat16)
+
+
+def is_attention_weights(tensor) -> bool:
+    """Whether ``tensor`` is attention weights as :func:`torch_pallas.route_dropout` knows them: the
+    output of a softmax over its last dim computed inside it (``F.softmax``, ``torch.softmax``,
+    ``Tensor.softmax``, whatever their dtype), or a dtype or device conversion of one
+    (:data:`CONVERSIONS`). A flag on the tensor object, which dynamo traces."""
+    return isinstance(tensor, torch.Tensor) and getattr(tensor, _ATTENTION_WEIGHTS, False)
+
+
+def _mark_attention_weights(output) -> None:
+    if isinstance(output, torch.Tensor) and output.dim() >= 2:
+        setattr(output, _ATTENTION_WEIGHTS, True)
+
+
+def converted(func, args, kwargs, widening: bool) -> torch.Tensor:
+    """``func(*args, **kwargs)``, one of :data:`CONVERSIONS`: a conversion of attention weights
+    is attention weights; with ``widening``, :func:`remembered_widening` for ``Tensor.to``."""
+    output = remembered_widening(func, args, kwargs) if widening and func is torch.Tensor.to else func(*args, **kwargs)
+    source = args[0] if args else None
+    if (output is not source and is_attention_weights(source) and isinstance(output, torch.Tensor)
+            and output.shape == source.shape):
+        _mark_attention_weights(output)
     return output
 
 
@@ -104,11 +142,10 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
     remembered dropout one of its operands is and the other (a tensor of its shape, dtype and
     device), written into the first operand for ``add_``; ``None`` when it is not such an add."""
     try:
-        call = _ADD_SIGNATURE.bind(*args, **kwargs)
+        input, other, alpha, out = _add_arguments(*args, **kwargs)
     except TypeError:
         return None  # torch will raise its own error
-    input, other = call.arguments["input"], call.arguments["other"]
-    if call.arguments.get("alpha", 1) != 1 or call.arguments.get("out") is not None:
+    if alpha != 1 or out is not None:
         return None
     if not _addable_in_one_kernel(input, other):
         return None
@@ -124,25 +161,28 @@ def fused_add(func, args, kwargs) -> torch.Tensor | None:
 # ``torch.matmul(a, b)``, ``a.matmul(b)`` and ``a @ b`` as a TorchFunctionMode sees them.
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 # ``F.softmax(x, dim)``, ``torch.softmax(x, dim)`` and ``x.softmax(dim)``.
-SOFTMAXES = {torch.nn.functional.softmax: inspect.signature(lambda input, dim=None, _stacklevel=3, dtype=None: None),
-             torch.softmax: inspect.signature(lambda input, dim, dtype=None: None),
-             torch.Tensor.softmax: inspect.signature(lambda input, dim, dtype=None: None)}
+# Each with its arguments' parser: plain functions, as route_dropout's (dynamo traces them).
+SOFTMAXES = {torch.nn.functional.softmax: lambda input, dim=None, _stacklevel=3, dtype=None: (input, dim, dtype),
+             torch.softmax: lambda input, dim, dtype=None: (input, dim, dtype),
+             torch.Tensor.softmax: lambda input, dim, dtype=None: (input, dim, dtype)}
 _SOFTMAX_OF = "_torch_pallas_softmax_of"
 
 
-def remembered_softmax(func, args, kwargs) -> torch.Tensor:
-    """``func(*args, **kwargs)`` (one of :data:`SOFTMAXES`); on tensors that run lazily, a
-    softmax over the last dim in the input's dtype remembers its input and the versions of
-    both, so that a routed dropout of it and its product with a value run as one kernel
-    (:func:`fused_matmul`)."""
+def remembered_softmax(func, args, kwargs, remember_scores: bool) -> torch.Tensor:
+    """``func(*args, **kwargs)`` (one of :data:`SOFTMAXES`): over the last dim, attention weights
+    (:func:`is_attention_weights`); with ``remember_scores``, on tensors that run lazily, a
+    softmax in the input's dtype also remembers its input and the versions of both, so that a
+    routed dropout of it and its product with a value run as one kernel (:func:`fused_matmul`)."""
     output = func(*args, **kwargs)
     try:
-        call = SOFTMAXES[func].bind(*args, **kwargs)
+        scores, dim, dtype = SOFTMAXES[func](*args, **kwargs)
     except TypeError:
         return output
-    scores, dim, dtype = call.arguments["input"], call.arguments.get("dim"), call.arguments.get("dtype")
-    if (isinstance(scores, torch.Tensor) and isinstance(output, torch.Tensor) and scores.dim() >= 1
-            and dim in (-1, scores.dim() - 1) and dtype in (None, scores.dtype) and bridge.runs_lazily(scores)):
+    if not (isinstance(scores, torch.Tensor) and isinstance(output, torch.Tensor) and scores.dim() >= 1
+            and dim in (-1, scores.dim() - 1)):
+        return output
+    _mark_attention_weights(output)
+    if remember_scores and dtype in (None, scores.dtype) and bridge.runs_lazily(scores):
         _remember(output, _SOFTMAX_OF, (scores,), scores)
     return output
 
@@ -151,13 +191,15 @@ def remembered_softmax(func, args, kwargs) -> torch.Tensor:
 SCALINGS = {torch.mul: False, torch.Tensor.mul: False, torch.div: True, torch.Tensor.div: True}
 # ``torch.where(keep, scores, fill)`` and ``scores.masked_fill(dropped, fill)``: scores masked
 # with the dtype's lowest number (GPT-2's eager attention; transformers' masks).
-SELECTIONS = {torch.where: inspect.signature(lambda condition, input, other, *, out=None: None),
-              torch.Tensor.masked_fill: inspect.signature(lambda input, mask, value: None)}
+# Each with its arguments' parser, giving (scores, mask, fill, out): the mask is where torch.where
+# keeps a score, where masked_fill drops one.
+SELECTIONS = {torch.where: lambda condition, input, other, *, out=None: (input, condition, other, out),
+              torch.Tensor.masked_fill: lambda input, mask, value: (input, mask, value, None)}
 _SCORES_OF = "_torch_pallas_scores_of"
 # ``torch.full((), c)``: a number as a 0-dim tensor (GPT-2's eager attention divides its scores
 # by one and masks them with another).
-_FULL_SIGNATURE = inspect.signature(lambda size, fill_value, *, out=None, dtype=None, layout=None, device=None,
-                                    pin_memory=False, requires_grad=False: None)
+_full_arguments = (lambda size, fill_value, *, out=None, dtype=None, layout=None, device=None,  # noqa: E731
+                   pin_memory=False, requires_grad=False: fill_value)
 _NUMBER_OF = "_torch_pallas_number_of"
 
 
@@ -194,7 +236,7 @@ def remembered_number(func, args, kwargs) -> torch.Tensor:
     number it holds (in its dtype), which :func:`remembered_scores` takes as a Python number's."""
     output = func(*args, **kwargs)
     try:
-        fill = _FULL_SIGNATURE.bind(*args, **kwargs).arguments["fill_value"]
+        fill = _full_arguments(*args, **kwargs)
     except TypeError:
         return output
     if (isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point()
@@ -268,15 +310,11 @@ def _selected_scores(func, args, kwargs, output) -> AttentionScores | None:
     their mask is 0 where a score is kept and the fill elsewhere, which the score plus it is
     too (a query that sees no key: a uniform softmax, as torch's)."""
     try:
-        call = SELECTIONS[func].bind(*args, **kwargs)
+        scores, keep, fill, out = SELECTIONS[func](*args, **kwargs)
     except TypeError:
         return None
-    if func is torch.where:
-        scores, keep, fill = call.arguments["input"], call.arguments["condition"], call.arguments["other"]
-        if call.arguments.get("out") is not None:
-            return None
-    else:
-        scores, keep, fill = call.arguments["input"], call.arguments["mask"], call.arguments["value"]
+    if out is not None:
+        return None
     earlier, number = _recall(scores, _SCORES_OF), _number(fill)
     if not (earlier is not None and earlier.mask is None and isinstance(keep, torch.Tensor)
             and keep.dtype == torch.bool and keep.device == scores.device and isinstance(output, torch.Tensor)
@@ -316,7 +354,7 @@ def fused_matmul(func, args, kwargs) -> torch.Tensor | None:
     return drawn.multiplied_by(args[1])
 
 
-_LINEAR_SIGNATURE = inspect.signature(lambda input, weight, bias=None: None)
+_linear_arguments = lambda input, weight, bias=None: (input, weight, bias)  # noqa: E731
 
 
 def fused_linear(args, kwargs, max_features: int | None = None) -> torch.Tensor | None:
@@ -330,10 +368,9 @@ def fused_linear(args, kwargs, max_features: int | None = None) -> torch.Tensor 
     if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
         return None
     try:
-        call = _LINEAR_SIGNATURE.bind(*args, **kwargs)
+        input, weight, bias = _linear_arguments(*args, **kwargs)
     except TypeError:
         return None  # torch will raise its own error
-    input, weight, bias = (call.arguments.get(name) for name in ("input", "weight", "bias"))
     found = _drawn_dropout_of(input)
     if found is None or not functional.fuses_linear(found[1], weight):
         return None

@@ -226,3 +226,36 @@ def test_heads_in_lanes_give_the_planes_kernels_values_and_gradients(layout, sof
 def test_heads_in_lanes_take_short_planes_of_whole_columns_only(shape_w, Ev, blocks):
     value_shape = (*shape_w[:-2], shape_w[-1], Ev)
     assert not heads_in_lanes.takes_weights(shape_w, value_shape, jnp.float32, blocks=blocks)
+
+
+@pytest.mark.parametrize("shape_w, blocks, impl", [
+    ((2, 3, 24, 40), None, "tiled"),          # short planes: whole planes, several per grid step
+    ((1, 40, 300), Blocks(40, 256), "tiled"),  # lengths not block multiples (padded), other blocks
+    ((600, 72), None, "threefry"),            # one plane, no batch dims
+])
+def test_the_weights_dropped_alone_are_the_ones_the_product_multiplies(shape_w, blocks, impl):
+    """dropout_weights: bit for bit what dropout_matmul_forward multiplies by the value (its product
+    with an identity is exact), whatever its blocks; float16 as float32's, rounded."""
+    weights, _, _ = _case(shape_w, 8, jnp.float32, seed=4)
+    identity = jnp.broadcast_to(jnp.eye(shape_w[-1], dtype=jnp.float32), (*shape_w[:-2], shape_w[-1], shape_w[-1]))
+    product = dropout_matmul.dropout_matmul_forward(jnp.asarray(KEY), weights, identity, p=0.3, impl=impl,
+                                                    interpret=True)
+    alone = dropout_matmul.dropout_weights(jnp.asarray(KEY), weights, p=0.3, impl=impl, interpret=True, blocks=blocks)
+    assert alone.shape == weights.shape and alone.dtype == weights.dtype
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(product))
+    half = dropout_matmul.dropout_weights(jnp.asarray(KEY), weights.astype(jnp.float16), p=0.3, impl=impl,
+                                          interpret=True)
+    assert half.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(half) != 0, np.asarray(alone) != 0)
+
+
+def test_the_weights_of_a_block_of_planes_are_their_part_of_the_whole():
+    """A DTensor's shard of planes (global_shape, its first plane's [high, low] words): its part of
+    the whole tensor's dropped weights."""
+    weights, _, _ = _case((2, 4, 16, 128), 8, jnp.float32, seed=5)
+    whole = dropout_matmul.dropout_weights(jnp.asarray(KEY), weights, p=0.3, impl="tiled", interpret=True)
+    for b, heads in ((0, slice(2, 4)), (1, slice(0, 2))):
+        got = dropout_matmul.dropout_weights(jnp.asarray(KEY), weights[b, heads], p=0.3, impl="tiled",
+                                             interpret=True, global_shape=(8, 16, 128),
+                                             shard_offset=jnp.asarray([0, b * 4 + heads.start], jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(whole[b, heads]))

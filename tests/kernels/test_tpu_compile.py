@@ -356,6 +356,8 @@ def test_dropout_matmul(generation, impl, dtype, names=tuple(DROPOUT_MATMUL_SHAP
         for softmax in (False, True):
             compiles(functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl=impl, softmax=softmax), KEY,
                      weights, value, generation=generation)
+        compiles(functools.partial(dropout_matmul.dropout_weights, p=0.1, impl=impl, interpret=False), KEY, weights,
+                 generation=generation)
 
 
 # x's shape and N: LoRA's down-projection (rank 16) of 4096 rows of 1024 features, T5's
@@ -471,6 +473,12 @@ TILED_CONFIGURATIONS = {
         *(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((24, 197, 197), (24, 197, 64))),
         generation=generation),
     "dropout_matmul-heads-in-lanes-128": lambda generation: _compiles_tiled_weights_in_lanes(generation, 8, 128),
+    # the weights dropped alone, as route_dropout's attention weights are where no product fuses: ViT's
+    # 197 x 197 in bfloat16 (whole planes, several per step) and BERT's 512 x 512 in float32
+    "dropout_weights": lambda generation: [compiles(
+        functools.partial(dropout_matmul.dropout_weights, p=0.1, impl="tiled", interpret=False), KEY,
+        jax.ShapeDtypeStruct(shape, dtype), generation=generation)
+        for shape, dtype in (((32, 12, 197, 197), jnp.bfloat16), ((8, 12, 512, 512), jnp.float32))],
     "dropout_linear": lambda generation: (test_dropout_linear(generation, "tiled", "bfloat16", ("lora", "t5-wo")),
                                           test_dropout_linear(generation, "tiled", "float32", ("ragged",))),
     "dropout_matmul-heads-in-lanes-197": lambda generation: _compiles_tiled_weights_in_lanes(generation, 2, 197),
@@ -582,6 +590,8 @@ NAMED_CASES = {
                       ["attention_fwd_p8_b197x197", "attention_dqkv_p8_b197x197"]),
     "attention-vit-heads-in-lanes": (attention_forward_and_backward, [KEY, *[float32(1, 8, 197, 64)] * 3],
                                      ["attention_fwd_lanes_b197x197", "attention_dqkv_lanes_b197x197"]),
+    "dropout_weights-tiled": (functools.partial(dropout_matmul.dropout_weights, p=0.1, impl="tiled", interpret=False),
+                              [KEY, float32(2, 4, 512, 1024)], ["dropout_weights_tiled_b512x512"]),
     "softmax_dropout_matmul": (functools.partial(dropout_matmul_forward_and_backward, p=0.1, impl="threefry",
                                                  softmax=True),
                                [KEY, float32(1, 2, 256, 1024), float32(1, 2, 1024, 64)],
@@ -603,6 +613,8 @@ EXPECTED_COSTS = {
                                        bytes_accessed=2 * 4 * ELEMENTS + 8),
     "dropout_tiled_b256x1024": dict(flops=ELEMENTS * (prng.noise_ops("tiled", prng.DROPOUT_BITS) + 4),
                                     transcendentals=0, bytes_accessed=2 * 4 * ELEMENTS + 8),
+    "dropout_weights_tiled_b512x512": dict(flops=16 * ELEMENTS * (prng.noise_ops("tiled", prng.DROPOUT_BITS) + 4),
+                                           transcendentals=0, bytes_accessed=16 * 2 * 4 * ELEMENTS + 8),
     "dropout_add_hardware_b256x1024": dict(flops=ELEMENTS * (prng.noise_ops("hardware") + 5), transcendentals=0,
                                            bytes_accessed=3 * 4 * ELEMENTS + 8),
     "sample_normal_threefry_b64x1024": dict(transcendentals=2 * 64 * 1024, bytes_accessed=4 * 64 * 1024 + 8),

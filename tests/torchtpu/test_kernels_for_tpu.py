@@ -30,9 +30,17 @@ CALLS = {
     "attention forward bfloat16 causal": lambda x, r: torch_pallas.scaled_dot_product_attention(
         *[x.bfloat16().view(1, 8, 256, 128)] * 3, dropout_p=0.1, is_causal=True, seed=1),
     "indrnn forward float32": lambda x, r: torch_pallas.indrnn(x.view(16, 16, 1024), r[0]),
+    # Routed attention weights dropped alone (no product fuses on tpu tensors): the attention kernels' mask.
+    "dropout_weights bfloat16": lambda x, r: _routed(lambda: torch.nn.functional.dropout(
+        torch.softmax(x.bfloat16().view(4, 2, 256, 128), dim=-1), 0.1)),
 }
 GENERATIONS = {name: ("v6e", "tpu7x") if name.startswith(("attention", "indrnn")) else ("v5e", "v6e", "tpu7x")
                for name in CALLS}
+
+
+def _routed(call):
+    with torch_pallas.route_dropout():
+        return call()
 
 
 def _lowering_for_tpu(function, *args, **keywords):
@@ -46,9 +54,11 @@ def _handed_to_the_front_end(call, monkeypatch):
     recorded and its computation (what a real tpu tensor runs) called after."""
     from torch._subclasses import FakeTensorMode
     from torch_pallas.ops import (attention as attention_ops, dropout as dropout_ops,
-                                  dropout_linear as dropout_linear_ops, indrnn as indrnn_ops)
+                                  dropout_linear as dropout_linear_ops, dropout_matmul as dropout_matmul_ops,
+                                  indrnn as indrnn_ops)
 
     computations = {"torch_pallas::dropout": dropout_ops._compute_dropout,
+                    "torch_pallas::dropout_weights": dropout_matmul_ops._compute_dropout_weights,
                     "torch_pallas::dropout_add": dropout_ops._compute_dropout_add,
                     "torch_pallas::dropout_linear": dropout_linear_ops._compute_dropout_linear,
                     "torch_pallas::attention": attention_ops._compute_attention,

@@ -89,9 +89,12 @@ def test_the_fusing_options_route_without_fusing(fake):
     """docs/tour-torchtpu.md, What differs: the fusions take lazily run tensors only."""
     x, residual = torch.randn(SHAPE, device="tpu"), torch.randn(SHAPE, device="tpu")
     weights, value = torch.randn(2, 64, 64, device="tpu"), torch.randn(2, 64, 32, device="tpu")
-    with DispatchedOps() as dispatched, torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
+    with DispatchedOps() as dispatched, torch_pallas.route_dropout():
         summed = residual + F.dropout(x, 0.1)
         multiplied = F.dropout(weights, 0.1) @ value
-    assert torch_pallas_ops(dispatched.names) == ["torch_pallas::dropout"] * 2
+        # attention weights: their dropout draws the attention kernels' mask (docs/noise.md)
+        attended = F.dropout(torch.softmax(weights, dim=-1), 0.1) @ value
+    assert torch_pallas_ops(dispatched.names) == ["torch_pallas::dropout"] * 2 + ["torch_pallas::dropout_weights"]
     check_on_tpu(summed, SHAPE, torch.float32)
     check_on_tpu(multiplied, (2, 64, 32), torch.float32)
+    check_on_tpu(attended, (2, 64, 32), torch.float32)

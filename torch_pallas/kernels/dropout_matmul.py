@@ -319,6 +319,68 @@ def dropout_matmul_backward(key_data, weights, value, grad_out, *, p: float, imp
     return grad_w, grad_v
 
 
+def _dropout_weights_kernel(key_ref, w_ref, out_ref, *, static, plane):
+    keep = attention.kept_weights(static, key_ref, plane, pl.program_id(1), pl.program_id(2))
+    out_ref[...] = _dropped(static, keep, w_ref[...])
+
+
+def dropout_weights(key_data, weights, *, p: float, impl: str = prng.DROPOUT_DEFAULT, interpret: bool,
+                    blocks: attention.AttentionBlocks | None = None, global_shape=None,
+                    shard_offset: jax.Array | None = None):
+    """``dropout(weights, p)`` of ``(*batch, L, S)`` attention weights with the mask this
+    module's kernels (and :mod:`attention`'s) draw for them (:func:`attention.kept_weights`):
+    the dropped weights :func:`dropout_matmul_forward` multiplies by the value, as an array. With
+    the per-tile impls that is not :func:`dropout.dropout`'s mask for the same key (drawn per
+    tile of a 2-D view of the whole tensor); with ``"threefry"`` it is. Dropout is linear: its
+    backward pass is this function on the gradient.
+
+    Args:
+        key_data, p, impl, interpret, global_shape, shard_offset: as
+            :func:`dropout_matmul_forward` takes them.
+        weights: ``(*batch, L, S)`` float32, bfloat16 or float16.
+        blocks: rows of L and of S per grid step (default: the attention forward kernel's).
+
+    Returns:
+        The dropped weights, ``weights``' shape and dtype.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], weights of fewer than two dims, or blocks
+            :func:`attention.resolve_blocks` rejects.
+    """
+    if weights.dtype == jnp.float16:
+        return dropout_weights(key_data, weights.astype(jnp.float32), p=p, impl=impl, interpret=interpret,
+                               blocks=blocks, global_shape=global_shape, shard_offset=shard_offset).astype(weights.dtype)
+    p = arguments.check_probability(p)
+    prng.check_can_run(impl, interpret)
+    if weights.ndim < 2:
+        raise ValueError(f"weights must be (*batch, L, S), got shape {tuple(weights.shape)}")
+    *batch, L, S = weights.shape
+    static = attention.resolve_static(attention.weights_problem(batch, L, S, 0), blocks, dropout_p=p, impl=impl,
+                                      causal=False, scale=1.0, interpret=interpret, backward=False,
+                                      global_shape=global_shape)
+    problem, blocks = static.problem, static.blocks
+    L_padded, S_padded = tiling.round_up(L, blocks.q), static.S_padded
+    w = attention.padded(attention.padded(attention.flatten(weights), 1, L_padded), 2, S_padded)
+    words = attention.noise_words(key_data, impl, shard_offset)
+    grid = (static.grid_planes, L_padded // blocks.q, S_padded // blocks.kv)
+    walk = attention.BlockWalk.of(static, *grid[1:], kv_major=False)
+    spec = pl.BlockSpec((static.plane_dim, blocks.q, blocks.kv), lambda b, i, j: (b, i, j))
+    out = calls.pallas_call(
+        attention.over_planes(functools.partial(_dropout_weights_kernel, static=static), static,
+                              [False, blocks.planes > 1]),
+        name=static.kernel_name("dropout_weights", ""),
+        cost_estimate=walk.cost(bytes_accessed=2 * calls.nbytes(w) + calls.nbytes(words), matmul_lanes=0,
+                                elementwise=_MASK_FLOPS, exponentials=False),
+        grid=grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(w.shape, w.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=interpret,
+    )(words, w)
+    return out[:, :L, :S].reshape(weights.shape)
+
+
 # Eager attention's weights over short planes, ``(B, H, L, S)``, with a value that a model's
 # projection holds as ``(B, S, H * E)``: the kernels read the value, the output and its gradient
 # in that layout (:mod:`heads_in_lanes`), which XLA would otherwise copy into planes and back.

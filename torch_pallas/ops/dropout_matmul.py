@@ -1,8 +1,9 @@
 """``torch_pallas::dropout_matmul``: ``dropout(weights) @ value`` in one kernel, the mask from
 key data; its backward kernel regenerates the mask and saves nothing of the dropped weights.
+``torch_pallas::dropout_weights``: the dropped weights themselves, with the same mask.
 
-:func:`apply` is the differentiable entry point (autograd, ``torch.func``'s reverse-mode
-transforms, ``torch.compile``)."""
+:func:`apply` and :func:`apply_dropout_weights` are the differentiable entry points (autograd,
+``torch.func``'s reverse-mode transforms, ``torch.compile``)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,51 @@ def apply(weights: torch.Tensor, value: torch.Tensor, key_data: torch.Tensor, *,
     """The op :data:`dropout_matmul`, differentiable under autograd, ``torch.func``'s reverse
     mode and ``torch.compile``."""
     return _apply(weights, value, key_data, p, impl, softmax, global_batch, global_offset)
+
+
+def _compute_dropout_weights(weights: torch.Tensor, key_data: torch.Tensor, p: float, impl: str,
+                             global_batch: Optional[Sequence[int]] = None, global_offset: int = 0) -> torch.Tensor:
+    """``dropout(weights, p)`` of ``(*batch, L, S)`` weights with :func:`_compute_dropout_matmul`'s
+    mask (pre-checked; ``global_batch``, ``global_offset``: see :func:`_call`)."""
+    if weights.numel() == 0:
+        return torch.empty_like(weights)
+    return _call(dropout_matmul_kernels.dropout_weights, key_data, weights.contiguous(), p=p, impl=impl,
+                 global_batch=global_batch, global_offset=global_offset)
+
+
+dropout_weights = torch.library.custom_op("torch_pallas::dropout_weights", _compute_dropout_weights,
+                                          mutates_args=())
+
+
+@dropout_weights.register_fake
+def _(weights, key_data, p, impl, global_batch=None, global_offset=0):
+    return torch.empty_like(weights, memory_format=torch.contiguous_format)
+
+
+def _weights_setup_context(ctx, inputs, output):
+    _, key_data, *ctx.options = inputs
+    ctx.save_for_backward(key_data)  # 8 bytes, as dropout's
+    ctx.save_for_forward(key_data)
+
+
+def _weights_backward(ctx, grad_output):
+    (key_data,) = ctx.saved_tensors
+    return _apply_dropout_weights(grad_output, key_data, *ctx.options), None, None, None, None, None
+
+
+def _weights_jvp(ctx, grad_weights, *_):
+    # Dropout is linear in the weights: the tangent goes through the same mask.
+    (key_data,) = ctx.saved_tensors
+    return dropout_weights(grad_weights, key_data, *ctx.options)
+
+
+_apply_dropout_weights = _autograd.differentiable(
+    dropout_weights, _compute_dropout_weights, public_name="torch_pallas.dropout_weights",
+    setup_context=_weights_setup_context, backward=_weights_backward, jvp=_weights_jvp)
+
+
+def apply_dropout_weights(weights: torch.Tensor, key_data: torch.Tensor, *, p: float, impl: str,
+                          global_batch: Optional[Sequence[int]] = None, global_offset: int = 0) -> torch.Tensor:
+    """The op :data:`dropout_weights`, differentiable under autograd, ``torch.func`` and
+    ``torch.compile``."""
+    return _apply_dropout_weights(weights, key_data, p, impl, global_batch, global_offset)
