@@ -151,8 +151,13 @@ def train_side_by_side(mesh, model, parallelize, *, steps: int, check_gradients:
         loss.backward()
         if check_gradients:
             for (name, want), got in zip(single.named_parameters(), parallel.parameters()):
+                # A sharded product sums in another order: an element near zero carries the rounding of
+                # the gradient's large terms, so the absolute tolerance follows the largest (1e-6 alone
+                # failed by 1.07e-6 on one of GPT-2's 16384 weights on another CPU); a mask drawn
+                # differently moves elements by the size of the gradient itself.
                 torch.testing.assert_close(full_gradient(name, got.grad.full_tensor()), want.grad, rtol=1e-4,
-                                           atol=1e-6, msg=lambda message: f"{name}: {message}")
+                                           atol=1e-4 * want.grad.abs().max().item(),
+                                           msg=lambda message: f"{name}: {message}")
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()

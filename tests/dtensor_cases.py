@@ -71,20 +71,23 @@ def run_case(case: dict, mesh) -> None:
     x = torch.randn(shape, generator=generator).to(dtype)
     grad = torch.randn(shape, generator=generator).to(dtype)
     residual = torch.randn(shape, generator=generator).to(dtype)
-    options = dict(impl=impl) if op != "routed" else {}
+    options = dict(impl=impl) if op not in ("routed", "routed-softmax") else {}
     if op in ("uniform", "normal", "bernoulli"):
         sample = getattr(torch_pallas.random, op)
         whole = sample(shape, seed=SEED, impl=impl, device="cpu")
         assert_block(sample(shape, seed=SEED, impl=impl, device_mesh=mesh, placements=placements), whole, mesh,
                      placements, "sample")
         return
-    if op in ("dropout", "routed", "converted"):
+    if op in ("dropout", "routed", "routed-softmax", "converted"):
         key = dict(seed=SEED) if case.get("key") == "seed" else {}
 
         def call(t):
             if op == "routed":
                 with torch_pallas.route_dropout(impl=impl):
                     return torch.nn.functional.dropout(t, 0.3)
+            if op == "routed-softmax":  # attention weights: the attention kernels' mask, on each rank's planes
+                with torch_pallas.route_dropout(impl=impl):
+                    return torch.nn.functional.dropout(torch.softmax(t, dim=-1), 0.3)
             if op == "converted":
                 module = torch_pallas.convert_dropout(torch.nn.Dropout(0.3), impl=impl)
                 return module(t)

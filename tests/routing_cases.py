@@ -206,3 +206,27 @@ def test_fx_records_converted_dropouts_as_leaf_modules():
     with torch_pallas.route_dropout():
         routed = torch.fx.symbolic_trace(lambda x: F.dropout(torch.softmax(x, -1), 0.5))
     assert [node.target for node in routed.graph.nodes if node.op == "call_function"] == [torch.softmax, F.dropout]
+
+
+# Slow (a minute or two here): the mode's eval-mode path under fullgraph is in the default run
+# (test_fullgraph_compile_traces_the_routing_with_the_eager_masks), a whole model's in tests/test_thirdparty.py.
+@pytest.mark.slow
+def test_generate_with_a_compiled_forward_inside_route_dropout():
+    """transformers' ``generate`` with the model's forward compiled (``fullgraph=True``, a static
+    cache, as transformers' own compiled-generation test does it) inside route_dropout, the model
+    in eval mode (every dropout the identity): the eager generation's tokens."""
+    failure = compile_failure()
+    if failure is not None:
+        pytest.skip(failure)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    with torch_pallas.route_dropout():
+        eager = model.generate(ids, **options)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        compiled = model.generate(ids, **options)
+    assert torch.equal(compiled, eager) and compiled.shape == (2, 9)

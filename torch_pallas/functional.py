@@ -386,17 +386,19 @@ def dropout_matmul(weights: torch.Tensor, value: torch.Tensor, p: float = 0.5, t
     :func:`dropout` computes it; the products accumulate in float32.
 
     The mask is that of :func:`torch_pallas.scaled_dot_product_attention`'s dropout for
-    ``(*batch, L, S)`` weights: with ``impl="threefry"`` :func:`dropout`'s for the same key
-    (bit for bit ``jax.random.bernoulli(key, 1 - p, weights.shape)``); with
-    ``impl="hardware"`` or ``"tiled"`` drawn per tile of each ``L x S`` plane, which is not the
-    mask :func:`dropout` draws for the same key.
+    ``(*batch, L, S)`` weights (:ref:`attention's mask <attention-mask>`): with
+    ``impl="threefry"`` :func:`dropout`'s for the same key (bit for bit
+    ``jax.random.bernoulli(key, 1 - p, weights.shape)``); with ``impl="hardware"`` or
+    ``"tiled"`` drawn per tile of each ``L x S`` plane, which is not the mask :func:`dropout`
+    draws for the same key.
 
     One kernel runs for weights ``(*batch, L, S)`` and a value ``(*batch, S, Ev)`` with the
     same batch dims, of one dtype among float32, bfloat16 and float16, not split by SPMD
     sharding, or DTensors placed alike and split over batch dims only (the kernel on each rank's
-    planes). Any other pair :func:`torch.matmul` takes is computed as ``dropout(weights, p)
-    @ value``, :func:`dropout`'s kernel and then the product; so is any other DTensor pair
-    (:ref:`DTensors <dtensors>`), with ``impl="threefry"`` only.
+    planes). Any other pair :func:`torch.matmul` takes is computed as the weights dropped with
+    that mask (a kernel of their own) and then the product; float64 and SPMD-sharded weights,
+    which no kernel draws that mask for, as ``dropout(weights, p) @ value``; so is any other
+    DTensor pair (:ref:`DTensors <dtensors>`), with ``impl="threefry"`` only.
 
     Args:
         weights (Tensor): what is dropped, as ``x`` for :func:`dropout`.

@@ -3,19 +3,21 @@
 :func:`torch_pallas.dropout_add`, and, in lazy mode, eager attention's product of dropped
 weights and values (``dropout(weights) @ value``) as :func:`torch_pallas.dropout_matmul`, with
 the softmax before it when the weights are a remembered softmax of scores
-(``route_dropout(fuse_matmul=True)``; :func:`fused_matmul`), and the whole of it as
+(:func:`fused_matmul`), and the whole of it as
 :func:`torch_pallas.scaled_dot_product_attention` when the scores are a remembered
 ``query @ key.transpose(-2, -1)``, scaled and masked (:func:`remembered_scores`); and a linear
 layer reading a dropout's output (``F.linear(dropout(x), weight, bias)``: LoRA's
 ``lora_A(dropout(x))``, T5's ``wo(dropout(h))``) as :func:`torch_pallas.dropout_linear`
-(:func:`fused_linear`).
+(:func:`fused_linear`): :func:`torch_pallas.route_dropout`'s fusions, each on by default. Attention
+weights (:func:`is_attention_weights`) are known here too: their dropout draws the mask the
+fused attention kernels draw, fused or not.
 
 A Pallas kernel is a custom call XLA cannot fuse: the two calls write the dropout's output to
 memory and read it back, a pass over the tensor that the fused kernel saves. How the add is
 reached depends on how the step is traced:
 
 - lazily (torch_xla's lazy tensors; torchax tensors inside a JAX trace), by
-  ``route_dropout(fuse_residual=True)``: a routed dropout's output carries its drawn key, and
+  ``route_dropout()``: a routed dropout's output carries its drawn key, and
   an add of that output and a tensor of its shape returns ``dropout_add`` of the same key.
   The dropout's own node is then dead: nothing reads it, so it is never compiled or run,
   and the autograd graph of the sum does not reach it. Eager CPU tensors are not fused:
@@ -467,14 +469,14 @@ def backend(graph_module: torch.fx.GraphModule, example_inputs):
 
     Raises:
         RuntimeError: torch_xla is not installed (on torchax, ``jax.jit`` of a step under
-            ``route_dropout(fuse_residual=True)`` fuses instead).
+            ``route_dropout()`` fuses instead).
     """
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = bridge.graph_compiler()
     if compiler is None:
         raise RuntimeError(f"torch.compile(backend={BACKEND!r}) compiles with torch_xla, which is not installed; "
-                           "on torchax, jit a step run under torch_pallas.route_dropout(fuse_residual=True)")
+                           "on torchax, jit a step run under torch_pallas.route_dropout()")
 
     def fused_then_compiled(graph, inputs):
         fuse_residual_dropouts(graph)

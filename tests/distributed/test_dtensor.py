@@ -54,6 +54,8 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
                                               shared=True, key="seed"),
             "generator-key-seeded-alike": dict(op="dropout", impl="tiled", shape=BANDS, placements=[Shard(1)]),
             "routed-F.dropout": dict(op="routed", impl=None, shape=BANDS, placements=[Shard(1)]),
+            "routed-attention-weights-heads": dict(op="routed-softmax", impl=None, shape=(2, 4, 16, 128),
+                                                   placements=[Shard(1)]),
             "converted-nn.Dropout": dict(op="converted", impl=None, shape=ONE_ROW, placements=[Shard(1)]),
             "dropout_add": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Shard(1)]),
             "dropout_add-partial": dict(op="dropout_add", impl="tiled", shape=ONE_ROW, placements=[Partial()]),
