@@ -2,8 +2,9 @@
 stack (issue 71): torch's own checkpoints (both modes, ``backward()`` inside the scope or after
 it, transformers' ``gradient_checkpointing_enable()``) recompute the forward's masks;
 ``torch.compile(fullgraph=True)`` (inductor) traces the mode, training and evaluation; ``torch.fx``
-records converted dropout modules as leaves; attention weights draw the attention kernels' mask
-wherever they run.
+records converted dropout modules as leaves, and transformers' fx tracer traces converted models
+in training (it runs each module on meta tensors, which torch_pallas's ops take as torch's do:
+shapes only); attention weights draw the attention kernels' mask wherever they run.
 
 Not a test module: tests/test_routing_cases.py (xla stack), tests/torchax/test_routing_cases.py and
 tests/torchtpu/test_routing_cases.py import the ``test_*`` functions below.
@@ -206,6 +207,58 @@ def test_fx_records_converted_dropouts_as_leaf_modules():
     with torch_pallas.route_dropout():
         routed = torch.fx.symbolic_trace(lambda x: F.dropout(torch.softmax(x, -1), 0.5))
     assert [node.target for node in routed.graph.nodes if node.op == "call_function"] == [torch.softmax, F.dropout]
+
+
+def test_meta_tensors_give_the_shapes_torchs_ops_give():
+    """Meta tensors (shapes only: transformers' fx tracer, models built on ``device="meta"``) go
+    through each op's fake function, forward and backward, as torch's ops on meta tensors do."""
+    x = torch.empty(2, 3, 8, 16, device="meta", requires_grad=True)
+    weight = torch.empty(5, 16, device="meta", requires_grad=True)
+    calls = {
+        "dropout": (lambda: torch_pallas.dropout(x, 0.1), x.shape),
+        "dropout(seed=)": (lambda: torch_pallas.dropout(x, 0.1, seed=3), x.shape),
+        "nn.Dropout2d": (lambda: torch_pallas.nn.Dropout2d(0.1)(x), x.shape),
+        "dropout_add": (lambda: torch_pallas.dropout_add(x, x, 0.1), x.shape),
+        "dropout_linear": (lambda: torch_pallas.dropout_linear(x, weight, None, 0.1), (2, 3, 8, 5)),
+        "dropout_matmul": (lambda: torch_pallas.dropout_matmul(x, x.transpose(-1, -2), 0.1), (2, 3, 8, 8)),
+        "attention": (lambda: torch_pallas.scaled_dot_product_attention(x, x, x, dropout_p=0.1), x.shape),
+        "routed attention weights": (lambda: _routed_weights(x), (2, 3, 8, 16)),
+        "nn.IndRNN": (lambda: torch_pallas.nn.IndRNN(16, 16).to("meta")(x[0])[0], (3, 8, 16)),
+        "random.uniform": (lambda: torch_pallas.random.uniform((3, 4), device="meta"), (3, 4)),
+    }
+    for name, (call, shape) in calls.items():
+        output = call()
+        assert output.is_meta and output.shape == shape and output.dtype == torch.float32, name
+        if output.requires_grad:
+            x.grad = weight.grad = None
+            output.sum().backward()
+            assert x.grad.is_meta and x.grad.shape == x.shape, name
+    assert seeds.key_data(device="meta").is_meta
+
+
+def _routed_weights(x):
+    with torch_pallas.route_dropout():
+        return F.dropout(torch.softmax(x, dim=-1), 0.1) @ x.transpose(-1, -2) @ x
+
+
+def test_transformers_fx_traces_a_converted_model_in_training():
+    """transformers' ``symbolic_trace`` of a converted T5 in train mode (its tracer computes each
+    module's output on meta tensors, and T5's layers branch on its dtype): the traced graph, run
+    from the same seed, gives the model's loss."""
+    fx = pytest.importorskip("transformers.utils.fx", reason="transformers 5 has no torch.fx tracer")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, dropout_rate=0.3)
+    torch.manual_seed(0)
+    model = torch_pallas.convert_dropout(transformers.T5ForConditionalGeneration(config)).train()
+    traced = fx.symbolic_trace(model, ["input_ids", "labels"])
+    dropouts = [node for node in traced.graph.nodes if node.op == "call_module"
+                and isinstance(traced.get_submodule(node.target), torch_pallas.nn.Dropout)]
+    assert dropouts
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    expected = model(input_ids=ids, labels=ids).loss
+    torch.manual_seed(5)
+    assert torch.equal(traced(input_ids=ids, labels=ids)["loss"], expected)
 
 
 # Slow (a minute or two here): the mode's eval-mode path under fullgraph is in the default run

@@ -5,6 +5,7 @@ import os
 import jax
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_xla
 
 from torch_pallas import bridge
@@ -18,10 +19,13 @@ def test_interpret_mode_follows_the_device():
 
 def test_devices_torch_pallas_runs_on_and_the_error_for_others_names_the_fix():
     assert bridge.runs_on(torch_xla.device()) and bridge.runs_on(torch.device("cpu"))
-    assert not bridge.runs_on(torch.device("meta"))
+    assert not bridge.runs_on(torch.device("cuda"))
     bridge.check_device(torch.ones(2), "x")
-    with pytest.raises(ValueError, match=r"x is on meta.*x\.to\(torch_xla\.device\(\)\)"):
-        bridge.check_device(torch.ones(2, device="meta"), "x")
+    bridge.check_device(torch.ones(2, device="meta"), "x")  # shapes only, as torch's ops (routing_cases)
+    with FakeTensorMode():
+        on_cuda = torch.ones(2, device="cuda")  # a device with no front end, made without one
+    with pytest.raises(ValueError, match=r"x is on cuda:0.*x\.to\(torch_xla\.device\(\)\)"):
+        bridge.check_device(on_cuda, "x")
 
 
 def _double(x, *, scale, interpret):

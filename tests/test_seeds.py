@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_xla
 import torch_xla.debug.metrics as met
 
@@ -63,7 +64,7 @@ def test_bad_generator_and_both_sources_raise():
     with pytest.raises(ValueError, match="not both"):
         seeds.key_data(seed=1, generator=torch.Generator())
     with pytest.raises(ValueError, match="device"):
-        seeds.key_data(seed=1, device="meta")
+        seeds.key_data(seed=1, device="cuda")
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
@@ -90,6 +91,8 @@ def test_key_scope_rejects_what_is_not_key_data():
     with pytest.raises(TypeError, match="key_data must be an int32 tensor of shape"):
         with seeds.key_scope(torch.zeros(2)):
             pass
-    with pytest.raises(ValueError, match="key_data is on meta"):
-        with seeds.key_scope(torch.zeros(2, dtype=torch.int32, device="meta")):
+    with FakeTensorMode():
+        on_cuda = torch.zeros(2, dtype=torch.int32, device="cuda")  # a device with no front end
+    with pytest.raises(ValueError, match="key_data is on cuda"):
+        with seeds.key_scope(on_cuda):
             pass

@@ -330,7 +330,8 @@ def runs_lazily(tensor: torch.Tensor) -> bool:
 
 
 def device_or_default(device=None) -> torch.device:
-    """The device to create tensors on: ``device`` if given (checked by :func:`runs_on`),
+    """The device to create tensors on: ``device`` if given (checked by :func:`runs_on`; or
+    ``meta``),
     else the default device of this process's stack (``torch_xla.device()``; ``jax`` with
     torchax; ``tpu`` with TorchTPU; the CPU).
 
@@ -344,6 +345,8 @@ def device_or_default(device=None) -> torch.device:
         device = front.default_device()
     else:
         device = torch.device(device)
+        if device.type == "meta":
+            return device  # shapes only (check_device)
         front = front_end(device.type)
         if front is None:
             raise ValueError(f"device must be {_devices_here()}, got {device}")
@@ -385,6 +388,8 @@ def check_device(tensor: torch.Tensor, name: str, *, dtensors: bool = False) -> 
             f"for the whole tensor, or {name}.to_local() with a seed of each rank's own for per-shard noise "
             f"(docs/sharding.md)")
     device = device_of(tensor)
+    if device.type == "meta":
+        return  # shapes only, as torch's ops on meta tensors: each op's fake function gives its outputs
     front = front_end(device.type)
     if front is None:
         raise ValueError(f"{name} is on {device}, but torch_pallas ops run on {_devices_here()}: "
@@ -505,7 +510,10 @@ def jitted(jax_function, static: tuple, interpret: bool):
 
 
 def draw_key_words(device: torch.device) -> torch.Tensor:
-    """Two int32 words of key data from the RNG of ``device`` (one torch_pallas runs on)."""
+    """Two int32 words of key data from the RNG of ``device`` (one torch_pallas runs on); on
+    the meta device, which holds no values, two words of none, as torch's RNG ops there."""
+    if device.type == "meta":
+        return torch.empty(2, dtype=torch.int32, device=device)
     return front_end(device.type).draw_key_words(device)
 
 

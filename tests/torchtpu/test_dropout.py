@@ -3,6 +3,7 @@ it hands TorchTPU, its backward formula, and bad input."""
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_pallas
 from torchtpu_support import DispatchedOps, check_on_tpu, run_formula, torch_noise_ops
@@ -79,6 +80,7 @@ def test_bad_input_raises_as_on_the_other_stacks_before_any_kernel(fake, monkeyp
 
 
 def test_a_device_torchtpu_has_no_front_end_for_is_named_with_the_fix(fake):
-    x = torch.randn(SHAPE, device="meta")
+    with FakeTensorMode():
+        x = torch.randn(SHAPE, device="cuda")  # made without CUDA
     with pytest.raises(ValueError, match=r"TorchTPU device \('tpu'\) or the CPU: move it with x.to\('tpu'\)"):
         torch_pallas.dropout(x, 0.5, seed=1)
