@@ -72,6 +72,17 @@ else:
     collect_ignore += ["kernels"]
 
 
+def on_a_device_without_front_end(*shape, dtype=None):
+    """A tensor on CUDA, made without it (a fake tensor): a device torch_pallas has no front end
+    for, whose tensors its ops refuse naming the fix (meta tensors, which hold no values either,
+    are taken: shapes only)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.zeros(shape, dtype=dtype, device="cuda")
+
+
 def crossed(fast, **axes):
     """``pytest.param``s for every combination of the values of ``axes`` (each an argument name
     mapped to ``{id: value}``, or to strings that are their own ids), in the order given; the

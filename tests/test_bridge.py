@@ -5,12 +5,11 @@ import os
 import jax
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_xla
 
 from torch_pallas import bridge
 
-from conftest import ON_TPU
+from conftest import ON_TPU, on_a_device_without_front_end
 
 
 def test_interpret_mode_follows_the_device():
@@ -22,10 +21,8 @@ def test_devices_torch_pallas_runs_on_and_the_error_for_others_names_the_fix():
     assert not bridge.runs_on(torch.device("cuda"))
     bridge.check_device(torch.ones(2), "x")
     bridge.check_device(torch.ones(2, device="meta"), "x")  # shapes only, as torch's ops (routing_cases)
-    with FakeTensorMode():
-        on_cuda = torch.ones(2, device="cuda")  # a device with no front end, made without one
     with pytest.raises(ValueError, match=r"x is on cuda:0.*x\.to\(torch_xla\.device\(\)\)"):
-        bridge.check_device(on_cuda, "x")
+        bridge.check_device(on_a_device_without_front_end(2), "x")
 
 
 def _double(x, *, scale, interpret):

@@ -14,6 +14,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint
 
 import torch_pallas
+from conftest import on_a_device_without_front_end
 from reference import (SEEDS, attention_tiled_keep, dropout_keep, jax_key, keep_probability, tiled_bits,
                        tiled_keep_from_bits)
 from torch_pallas.ops import dropout as dropout_op
@@ -178,7 +179,8 @@ def test_keep_fraction_and_independence(p):
     (lambda x: torch_pallas.dropout(x, p=float("nan")), ValueError, "p must be in"),
     (lambda x: torch_pallas.dropout(x.long(), p=0.5), TypeError, "float32, bfloat16, float16 or float64"),
     (lambda x: torch_pallas.dropout(x > 0, p=0.5), TypeError, "float32, bfloat16, float16 or float64"),
-    (lambda x: torch_pallas.dropout(x.to("meta"), p=0.5), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda x: torch_pallas.dropout(on_a_device_without_front_end(*x.shape), p=0.5), ValueError,
+     r"x\.to\(torch_xla\.device\(\)\)"),
     (lambda x: torch_pallas.dropout(x, p=0.5, seed=-1), ValueError, "seed"),
     (lambda x: torch_pallas.dropout(x, p=0.5, seed=2**64), ValueError, "seed"),
     (lambda x: torch_pallas.dropout(x, p=0.5, impl="philox"), ValueError, "impl"),

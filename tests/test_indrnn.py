@@ -6,6 +6,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_pallas
+from conftest import on_a_device_without_front_end
 from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths, random_case
 
 
@@ -130,7 +131,8 @@ def _xla(*shape, dtype=torch.float32):
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), nonlinearity="sigmoid"), ValueError, "nonlinearity"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8, dtype=torch.int32), _xla(8)), TypeError, "x must be float32"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8, dtype=torch.int64)), TypeError, "weight must be float32"),
-    (lambda: torch_pallas.indrnn(torch.zeros(4, 2, 8, device="meta"), _xla(8)), ValueError, r"x\.to\(torch_xla\.device\(\)\)"),
+    (lambda: torch_pallas.indrnn(on_a_device_without_front_end(4, 2, 8), _xla(8)), ValueError,
+     r"x\.to\(torch_xla\.device\(\)\)"),
     (lambda: torch_pallas.indrnn([[[0.0]]], _xla(1)), TypeError, "x must be a torch.Tensor"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4]), ValueError, r"lengths must have shape \(2,\)"),
     (lambda: torch_pallas.indrnn(_xla(4, 2, 8), _xla(8), lengths=[4, 5]), ValueError, r"lengths must be in \[0, 4\]"),

@@ -162,7 +162,7 @@ def test_cpu_tensors_are_routed_as_converted_modules_run_them():
 
 def test_fusing_scopes_leave_meta_tensors_to_torch():
     """A model built or shape-checked on the meta device inside a fusing scope: its products,
-    scalings, selections, fills and adds are torch's (torch_pallas runs on no meta tensor)."""
+    scalings, selections, fills and adds are torch's (nothing to fuse where nothing runs)."""
     q = torch.empty(2, 3, 16, 8, device="meta")
     with torch_pallas.route_dropout(fuse_residual=True, fuse_matmul=True):
         scores = torch.where(torch.ones(16, 16, dtype=torch.bool, device="meta"),

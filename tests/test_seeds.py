@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_xla
 import torch_xla.debug.metrics as met
 
+from conftest import on_a_device_without_front_end
 from reference import SEEDS, key_data as reference_key_data
 from torch_pallas import seeds
 
@@ -91,8 +91,6 @@ def test_key_scope_rejects_what_is_not_key_data():
     with pytest.raises(TypeError, match="key_data must be an int32 tensor of shape"):
         with seeds.key_scope(torch.zeros(2)):
             pass
-    with FakeTensorMode():
-        on_cuda = torch.zeros(2, dtype=torch.int32, device="cuda")  # a device with no front end
     with pytest.raises(ValueError, match="key_data is on cuda"):
-        with seeds.key_scope(on_cuda):
+        with seeds.key_scope(on_a_device_without_front_end(2, dtype=torch.int32)):
             pass
