@@ -15,13 +15,14 @@ small, BERT-base, ViT-B/16, T5-base widths, with fewer layers than the released 
 change), and GPT-2 and BERT again at 8 x 128 tokens (``gpt2-128``, ``bert-128``: short sequences,
 where fixed per-call costs weigh most), every dropout p=0.1, built in these variants with the same weights:
 
-- ``torch_pallas threefry`` / ``torch_pallas hardware`` / ``torch_pallas tiled``: every dropout
-  routed to torch_pallas with that noise impl, residual adds, eager attention's products and
-  linear layers of at most 128 output features after a dropout fused
-  (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``); each kernel a Mosaic TPU
-  custom call in the graph (built under ``tpu_compile.lowering_for_tpu()``);
-- ``torch_pallas tiled default``: ``route_dropout()``, what a user gets without options (the
-  tiled impl, those linear layers fused: ``fuse_linear``'s default);
+- ``torch_pallas default``: ``route_dropout()``, what a user gets without options (the README's
+  line): every dropout routed to torch_pallas with the default noise impl (``tiled``), residual
+  adds, eager attention's products and linear layers of at most 128 output features after a
+  dropout fused; each kernel a Mosaic TPU custom call in the graph (built under
+  ``tpu_compile.lowering_for_tpu()``);
+- ``torch_pallas threefry`` / ``torch_pallas hardware`` / ``torch_pallas tiled``: the same with
+  that noise impl (``route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)``, what the
+  defaults have been since 2026-12-01: ``tiled`` is ``default``);
 - ``torch_pallas tiled linear``: every linear layer after a dropout fused, nothing else
   (``route_dropout(fuse_linear=True)``);
 - ``torch_pallas threefry unfused`` / ``torch_pallas tiled unfused``: nothing fused
@@ -59,11 +60,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, commit, markdown_table, mask_noise_floor_seconds, merged_rows, write  # noqa: E402
 
 P = 0.1
-# "torch_pallas <impl>": every dropout routed with that noise impl, residual adds, eager attention's products and
-# linear layers of at most 128 features after a dropout fused (the table's figures); "torch_pallas tiled default":
-# route_dropout() as a user gets it without options (those linear layers fused); "torch_pallas tiled linear":
-# every linear layer after a dropout fused, nothing else; "torch_pallas <impl> unfused": nothing fused.
-VARIANTS = ("torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled", "torch_pallas tiled default",
+# "torch_pallas default": route_dropout() as a user gets it without options; "torch_pallas <impl>": every dropout
+# routed with that noise impl, residual adds, eager attention's products and linear layers of at most 128 features
+# after a dropout fused (the defaults); "torch_pallas tiled linear": every linear layer after a dropout fused,
+# nothing else; "torch_pallas <impl> unfused": nothing fused.
+VARIANTS = ("torch_pallas default", "torch_pallas threefry", "torch_pallas hardware", "torch_pallas tiled",
             "torch_pallas tiled linear", "torch_pallas threefry unfused", "torch_pallas tiled unfused", "torch",
             "no dropout")
 ROUTED_VARIANTS = tuple(variant for variant in VARIANTS if variant.startswith("torch_pallas"))
@@ -82,10 +83,10 @@ KEY_VALUE_TRANSPOSED = "10ca643"
 # record's figures. No committed estimate is older.
 ESTIMATOR = "b84cc66"
 PATH = RESULTS / "tpu_step.json"
-# The default impl's rule (issue 62): its fused steps at or below torch's in peak HBM and time on these
+# The defaults' rule (issues 62, 71): route_dropout()'s steps at or below torch's in peak HBM and time on these
 # generations, judged with the newest libtpu a stack runs; tpu_step_newer_libtpu compiles the torch_xla
 # stack's HLOs by the torchax stack's newer libtpu too.
-RULE_VARIANT = "torch_pallas tiled"
+RULE_VARIANT = "torch_pallas default"
 RULE_GENERATIONS = ("v5e", "v5p", "v6e")
 NEWER_LIBTPU_PATH = RESULTS / "tpu_step_newer_libtpu.json"
 
@@ -236,13 +237,13 @@ def routing(variant: str):
 
     if variant not in ROUTED_VARIANTS:
         return None, None
+    if variant == "torch_pallas default":
+        return None, torch_pallas.route_dropout()
     impl = variant.split()[1]
-    if variant.endswith(" default"):
-        return impl, torch_pallas.route_dropout(impl=impl)
     if variant.endswith(" linear"):
         return impl, torch_pallas.route_dropout(impl=impl, fuse_linear=True)
     if variant.endswith(" unfused"):
-        return impl, torch_pallas.route_dropout(impl=impl, fuse_linear=False)
+        return impl, torch_pallas.route_dropout(impl=impl, fuse_linear=False, fuse_residual=False, fuse_matmul=False)
     return impl, torch_pallas.route_dropout(impl=impl, fuse_residual=True, fuse_matmul=True)
 
 
@@ -529,16 +530,17 @@ def render(records: list) -> str:
         f"dropout p={P}, compiled whole for one chip of each generation by libtpu's compile-only client on this CPU "
         "machine (`torch_pallas.tpu_compile.compile_graph`; built under `tpu_compile.lowering_for_tpu()`, never run). "
         "Models: " + "; ".join(f"{name}: {text}" for name, (text, _) in MODELS.items()) + ". "
-        "Columns: `torch`: torch's dropout, its peak HBM and estimated step time; `threefry`, `hardware`, `tiled`: "
-        "every dropout routed to torch_pallas with that noise impl (`impl=`, docs/noise.md), "
-        "residual adds, eager attention's products of dropped weights and values and linear layers of at most 128 "
-        "output features after a dropout fused (`route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)`); "
-        "`tiled default`: `route_dropout()` as a user gets it without options (`tiled`, the default impl of dropout "
-        "since 2026-11-28, with those linear layers fused, `fuse_linear`'s default since 2026-11-29; measured where "
-        "that differs from both `tiled` and `tiled unfused`); `tiled linear`: every linear layer after a dropout "
+        "Columns: `torch`: torch's dropout, its peak HBM and estimated step time; `default`: `route_dropout()` as a "
+        "user gets it without options (the README's line): every dropout routed to torch_pallas with the default "
+        "impl (`tiled`), residual adds, eager attention's products of dropped weights and values and linear layers "
+        "of at most 128 output features after a dropout fused (the defaults since 2026-12-01); `threefry`, "
+        "`hardware`, `tiled`: the same with that noise impl (`impl=`, docs/noise.md; "
+        "`route_dropout(impl=..., fuse_residual=True, fuse_matmul=True)`: `tiled` is `default`'s program); "
+        "`tiled linear`: every linear layer after a dropout "
         "fused, nothing else (`route_dropout(fuse_linear=True)`: T5's `wo(dropout(h))` of 768 features, the "
         "evidence for the default's bound); `threefry unfused`, `tiled unfused`: nothing fused "
-        "(`route_dropout(impl=..., fuse_linear=False)`, what a user got without options before 2026-11-29); "
+        "(`route_dropout(impl=..., fuse_linear=False, fuse_residual=False, fuse_matmul=False)`, what a user got "
+        "without options before 2026-11-29); "
         "each ratio cell is "
         "peak HBM (`peak_memory_in_bytes`) / estimated step time (`GraphCompilation.estimate`) as ratios to "
         "torch's (below 1.0x: less than torch's); "
