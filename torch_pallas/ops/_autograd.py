@@ -37,10 +37,11 @@ def _under_torch_func() -> bool:
 def _through_op(args) -> bool:
     """Whether a call with ``args`` must go through the custom op: while dynamo traces, under
     a ``TorchDispatchMode`` (which should see the op: fake tensors, flop counters), with a
-    tensor torch traces or wraps, or with a meta tensor (shapes only: the op's fake function). AOTAutograd traces an op's registered backward with
-    functional tensors (``torch.compiler.is_compiling()`` is False there), and ``torch.func``
-    runs a Function's backward, with the forward's wrapped tensors saved, outside its
-    transforms' interpreter stack."""
+    tensor torch traces or wraps, or with a meta tensor (shapes only: the op's fake function).
+    AOTAutograd traces an op's registered backward with functional tensors
+    (``torch.compiler.is_compiling()`` is False there), and ``torch.func`` runs a Function's
+    backward, with the forward's wrapped tensors saved, outside its transforms' interpreter
+    stack."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return True
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
