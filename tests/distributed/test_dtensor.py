@@ -161,7 +161,8 @@ def outcomes():
                                                               cases, results)) for rank in range(world)]
             for process in processes:
                 process.start()
-            by_rank = dict(results.get(timeout=600) for _ in processes)
+            # A group's cases took up to 9 minutes on a loaded 2-core machine: the wait fails only a hung group.
+            by_rank = dict(results.get(timeout=1800) for _ in processes)
             for process in processes:
                 process.join(timeout=60)
         everything[world] = {name: [by_rank[rank][name] for rank in range(world)] for name in cases}
