@@ -69,8 +69,9 @@ def compiles(function, *args, generation):
 # The whole matrix takes about 200 s per generation on 2 cores, so a suite compiles it for the
 # newest generation only (TPU7x, which only the torchax stack's libtpu knows), and for every other
 # generation the representative subset below (test_representative_configurations): each kernel
-# family with both noise impls, a 16-bit and a 32-bit dtype, shards and masks. The rest of the
-# matrix for those generations is the slow tier.
+# family with both noise impls, a 16-bit and a 32-bit dtype, shards and masks, each of its
+# configurations for one generation in turn (every family for every generation), and the tiled
+# impl's configurations for every generation (test_tiled_configurations). The rest is the slow tier.
 FULL_GENERATIONS = [generation for generation in GENERATIONS if generation == "tpu7x"]
 OTHER_GENERATIONS = [generation for generation in GENERATIONS if generation not in FULL_GENERATIONS]
 
@@ -402,27 +403,48 @@ def test_dropout_linear_per_shard_on_a_2x2_topology(generation, impl="tiled"):
 # planes and heads in lanes at 197 tokens are the tiled configurations' (the hardware impl's per-tile
 # paths); tanh differs from relu in the elementwise step only (the ragged shape).
 REPRESENTATIVE = {
-    "sampling": lambda generation: (test_sampling(generation, "normal", "float32", "threefry"),
-                                    test_sampling(generation, "bernoulli", "bool", "hardware")),
-    "dropout": lambda generation: (test_dropout(generation, "threefry", "bfloat16", True),
-                                   test_dropout(generation, "hardware", "float32", False),
-                                   test_dropout_add(generation, "hardware", "bfloat16")),
-    "dropout-per-shard": lambda generation: (test_dropout_per_shard_on_a_2x2_topology(generation, "bfloat16"),
-                                             test_hardware_dropout_per_shard_on_a_2x2_topology(generation),
-                                             test_dropout_shard_of_more_than_2_32_elements(generation)),
-    "indrnn": lambda generation: (test_indrnn(generation, "relu", "bfloat16"),
-                                  test_indrnn(generation, "tanh", "float32", ("ragged",)),
-                                  test_indrnn_per_shard_on_a_2x2_topology(generation, "relu")),
-    "attention": lambda generation: (test_attention(generation, "hardware", "float32",
-                                                    ("ragged", "128-heads-in-lanes")),
-                                     test_attention_with_a_broadcast_mask_and_gqa(generation, "bool", 1000, 700),
-                                     test_attention_with_a_broadcast_mask_and_gqa(generation, "float", 197, 197),
-                                     test_attention_per_shard_on_a_2x2_topology(generation, "threefry")),
-    "dropout_matmul": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",)),
-    "dropout_linear": lambda generation: (test_dropout_linear(generation, "threefry", "bfloat16", ("lora",)),
-                                          test_dropout_linear(generation, "hardware", "float32", ("ragged",)),
-                                          test_dropout_linear_per_shard_on_a_2x2_topology(generation)),
+    "sampling": {
+        "normal-threefry": lambda generation: test_sampling(generation, "normal", "float32", "threefry"),
+        "bernoulli-hardware": lambda generation: test_sampling(generation, "bernoulli", "bool", "hardware")},
+    "dropout": {
+        "threefry-bfloat16-shared": lambda generation: test_dropout(generation, "threefry", "bfloat16", True),
+        "hardware-float32": lambda generation: test_dropout(generation, "hardware", "float32", False),
+        "add-hardware-bfloat16": lambda generation: test_dropout_add(generation, "hardware", "bfloat16")},
+    "dropout-per-shard": {
+        "2x2-bfloat16": lambda generation: test_dropout_per_shard_on_a_2x2_topology(generation, "bfloat16"),
+        "2x2-hardware": lambda generation: test_hardware_dropout_per_shard_on_a_2x2_topology(generation),
+        "past-2-32": lambda generation: test_dropout_shard_of_more_than_2_32_elements(generation)},
+    "indrnn": {
+        "relu-bfloat16": lambda generation: test_indrnn(generation, "relu", "bfloat16"),
+        "tanh-float32-ragged": lambda generation: test_indrnn(generation, "tanh", "float32", ("ragged",)),
+        "2x2-relu": lambda generation: test_indrnn_per_shard_on_a_2x2_topology(generation, "relu")},
+    "attention": {
+        "hardware-float32": lambda generation: test_attention(generation, "hardware", "float32",
+                                                              ("ragged", "128-heads-in-lanes")),
+        "bool-mask-gqa-1000x700": lambda generation: test_attention_with_a_broadcast_mask_and_gqa(
+            generation, "bool", 1000, 700),
+        "float-mask-gqa-197": lambda generation: test_attention_with_a_broadcast_mask_and_gqa(
+            generation, "float", 197, 197),
+        "2x2-threefry": lambda generation: test_attention_per_shard_on_a_2x2_topology(generation, "threefry")},
+    "dropout_matmul": {
+        "hardware-float32-197": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",))},
+    "dropout_linear": {
+        "threefry-bfloat16-lora": lambda generation: test_dropout_linear(generation, "threefry", "bfloat16", ("lora",)),
+        "hardware-float32-ragged": lambda generation: test_dropout_linear(generation, "hardware", "float32",
+                                                                          ("ragged",)),
+        "2x2": lambda generation: test_dropout_linear_per_shard_on_a_2x2_topology(generation)},
 }
+
+
+def _rotated(families, generations):
+    """(generation, "family-configuration") pairs in which every generation compiles each family
+    and each configuration compiles for one generation at least: configuration i of a family on
+    generation i (round the generations, and the configurations round them where they are fewer)."""
+    return {(generation, f"{family}-{configuration}")
+            for family, configurations in families.items()
+            for i, configuration in enumerate(configurations)
+            for g, generation in enumerate(generations)
+            if i % len(generations) == g or g % len(configurations) == i}
 
 
 def _compiles_tiled_dropout(generation):
@@ -494,10 +516,12 @@ def test_tiled_configurations(generation, kernel):
     TILED_CONFIGURATIONS[kernel](generation)
 
 
-@pytest.mark.parametrize("kernel", list(REPRESENTATIVE))
-@pytest.mark.parametrize("generation", OTHER_GENERATIONS)
-def test_representative_configurations(generation, kernel):
-    REPRESENTATIVE[kernel](generation)
+@pytest.mark.parametrize("generation,configuration", crossed(
+    _rotated(REPRESENTATIVE, OTHER_GENERATIONS), generation=OTHER_GENERATIONS,
+    configuration={f"{family}-{name}": compile_it for family, configurations in REPRESENTATIVE.items()
+                   for name, compile_it in configurations.items()}))
+def test_representative_configurations(generation, configuration):
+    configuration(generation)
 
 
 def test_libtpu_refusing_every_topology_raises_its_reason(monkeypatch):
