@@ -108,8 +108,10 @@ def read_together(*groups) -> list:
 
 def covered_on_the_newest_jax(test):
     """A kernel test that compares two of the library's own kernels (a layout, planes per grid
-    step, a transposed read) rather than a reference: the torchax stack's jax 0.10 runs it in
-    every ``./dev test``, and on older JAX (the xla stack's 0.7.1) it is in the slow tier."""
+    step, a transposed read), sweeps a property of bits every JAX draws alike (block invariance,
+    statistics: the known answers pin the bits on each stack), or checks what the torch-level
+    suite checks on every stack against the same reference: the torchax stack's jax 0.10 runs it
+    in every ``./dev test``, and on older JAX (the xla stack's 0.7.1) it is in the slow tier."""
     from torch_pallas.kernels import compat
 
     return pytest.mark.slow(test) if compat.JAX_VERSION < (0, 10) else test

@@ -118,6 +118,7 @@ CASES = {
 }
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("case", CASES)
 def test_matches_float64_reference_with_the_same_mask(case):
     query, key, value, options = CASES[case]
@@ -136,6 +137,7 @@ def test_boolean_mask_broadcast_with_a_fully_masked_row_gives_zeros():
 
 # Every key in one backward block (the key-value kernel gives the query's and the mask's gradients
 # too), and keys over two blocks (the query kernel gives them).
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("bias_shape, backward_blocks", [((1, 3, 24, 40), Blocks(8, 40)),
                                                          ((2, 1, 1, 256), Blocks(8, 128))],
                          ids=["one-key-block", "two-key-blocks"])
@@ -145,6 +147,7 @@ def test_float_mask_gets_its_gradient_summed_to_its_shape(bias_shape, backward_b
     check((2, 3, 24, 16), (2, 3, S, 16), (2, 3, S, 16), bias=bias, dropout_p=0.1, backward_blocks=backward_blocks)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16_bit_inputs(dtype):  # float16 is computed as float32 (Mosaic has no float16)
     check((2, 2, 24, 64), (2, 2, 40, 64), (2, 2, 40, 64), dropout_p=0.1, causal=True, dtype=dtype)
@@ -393,6 +396,7 @@ def test_blocks_mosaic_rejects_are_rejected_everywhere():
                                     jnp.zeros((1, 512, 8)), interpret=True, blocks=(8, 128))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("impl", ["threefry", "hardware"])
 def test_a_shard_draws_its_part_of_the_whole_tensors_mask(impl, emulated_hardware_prng):
     """SPMD: a shard split over batch dims (here batch 1 of 2, heads 2-3 of 4) gets the flat

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import covered_on_the_newest_jax
 from reference import key_data
 from torch_pallas.kernels import dropout, dropout_linear
 
@@ -41,6 +42,7 @@ def test_the_product_uses_the_dropout_kernels_mask(x_shape, N, impl):
                                                                               interpret=True)))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("x_shape,N", CASES)

@@ -51,6 +51,7 @@ def _check(shape_w, Ev, *, p=0.25, dtype=jnp.float32, impl="threefry", blocks=No
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=rtol * 10)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("shape_w, Ev, blocks, backward_blocks", [
     ((1, 40, 300), 16, Blocks(16, 128), Blocks(8, 256)),        # lengths not block multiples (padded), differing
     ((2, 197, 197), 64, None, None),                            # ViT's lengths; default blocks
@@ -60,6 +61,7 @@ def test_threefry_matches_the_reference(shape_w, Ev, blocks, backward_blocks):
     _check(shape_w, Ev, blocks=blocks, backward_blocks=backward_blocks)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("dtype, rtol", [(jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
 def test_16_bit_dtypes(dtype, rtol):
     _check((2, 32, 256), 64, dtype=dtype, rtol=rtol)
@@ -107,6 +109,7 @@ def _softmax_reference(scores, value, grad_out, keep, p):
     return (out, *vjp(as64[2]))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("impl, shape_w, Ev, blocks", [
     ("threefry", (1, 40, 300), 16, Blocks(16, 300)),       # several row blocks, L not a multiple of them
     ("hardware", (1, 40, 300), 16, None),                  # a block of all of L and S: the last tiles' bits cut
@@ -228,6 +231,7 @@ def test_heads_in_lanes_take_short_planes_of_whole_columns_only(shape_w, Ev, blo
     assert not heads_in_lanes.takes_weights(shape_w, value_shape, jnp.float32, blocks=blocks)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("shape_w, blocks, impl", [
     ((2, 3, 24, 40), None, "tiled"),          # short planes: whole planes, several per grid step
     ((1, 40, 300), Blocks(40, 256), "tiled"),  # lengths not block multiples (padded), other blocks

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import covered_on_the_newest_jax
 from reference import indrnn_reference, indrnn_reference_gradients, indrnn_reference_with_lengths
 from torch_pallas.kernels import indrnn
 from torch_pallas.kernels.tiling import RecurrenceBlocks, resolve_recurrence
@@ -207,6 +208,7 @@ def test_bfloat16_state_and_gradient_carry_are_float32():
     assert np.all(np.isfinite(np.asarray(grad_weight)))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("weight_range", [(1.0, 1.0), (0.0, 1.0)], ids=["w=1", "w~U(0,1)"])
 def test_benchmark_shape(weight_range):
     """The benchmark's problem: T=1000, B=1, F=1000, relu, h0=0."""

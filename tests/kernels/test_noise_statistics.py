@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 from scipy import stats
 
+from conftest import covered_on_the_newest_jax
 from reference import key_data, numpy_threefry2x32, numpy_tiled_view, offset_words, tiled_hash
 from torch_pallas.kernels import dropout, elementwise, prng, tiling
 
@@ -299,6 +300,7 @@ def assert_detected(p_values):
 
 # --- the tests --------------------------------------------------------------------------------
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("uniform_bits", [32, 16])
 @pytest.mark.parametrize("generator", REAL, ids=lambda g: g.name)
 def test_every_bit_is_balanced(generator, uniform_bits):
@@ -311,6 +313,7 @@ def test_one_flipped_input_bit_flips_each_output_bit_with_probability_one_half(g
     assert_passes(check_avalanche(generator, flipped))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("uniform_bits", [32, 16])
 @pytest.mark.parametrize("relation", RELATIONS)
 @pytest.mark.parametrize("generator", KERNELS, ids=lambda g: g.name)
@@ -318,6 +321,7 @@ def test_neighbours_are_independent(generator, relation, uniform_bits):
     assert_passes(check_independence(generator, relation, uniform_bits))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("p", [0.5, 0.1])
 @pytest.mark.parametrize("generator", KERNELS, ids=lambda g: g.name)
 def test_dropout_masks_have_no_bias_and_no_structure(generator, p):
@@ -369,6 +373,7 @@ NEGATIVE_CONTROLS = [
 ]
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("weak,check,arguments", NEGATIVE_CONTROLS,
                          ids=[f"{weak}-{check.__name__}{arguments}" for weak, check, arguments in NEGATIVE_CONTROLS])
 def test_weak_generators_are_rejected(weak, check, arguments):

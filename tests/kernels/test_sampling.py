@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import covered_on_the_newest_jax
 from reference import (SEEDS, as_bits, emulated_hardware_tile_bits, jax_key, jax_random_part, key_data,
                        numpy_tiled_tile, offset_words, tiled_bits, ulp_distance)
 from torch_pallas.kernels import elementwise, prng, sampling, tiling
@@ -171,6 +172,7 @@ sample_beyond = jax.jit(sampling.sample, static_argnames=(
     "shape", "distribution", "dtype", "p", "interpret", "blocks", "global_shape"))
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("case", list(BEYOND_2_32))
 def test_shards_past_2_32_elements_hold_jax_random_numbers(case):
     global_shape, shard, start, blocks = BEYOND_2_32[case]
@@ -242,6 +244,7 @@ HARDWARE_SHARDED = [
 ]
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("impl", ["hardware", "tiled"])
 @pytest.mark.parametrize("global_shape,tiles,shared,blocks", HARDWARE_SHARDED)
 def test_per_tile_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_prng, global_shape, tiles,
@@ -266,6 +269,7 @@ def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shap
         elementwise.per_tile_view(shard, global_shape)
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("impl", ["hardware", "tiled"])
 def test_per_tile_noise_of_a_tensor_xla_holds_swapped_is_the_swapped_tensors(emulated_hardware_prng, impl):
     """docs/noise.md, The generators: (16, 13, 256) is drawn as (13, 16, 256)'s rows, XLA's
@@ -282,6 +286,7 @@ def test_per_tile_shards_of_a_tensor_xla_holds_swapped_are_refused():
         elementwise.per_tile_view((8, 13, 256), (16, 13, 256), impl="tiled")
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("shape,blocks", [((256, 1024), [Blocks(64, 1024), Blocks(128, 1024, True), Blocks(256, 1024)]),
                                           ((13, 300), [Blocks(16, 128), Blocks(16, 256, True)]),
                                           ((3, 5, 700), [Blocks(16, 256), Blocks(16, 768, True)]),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import covered_on_the_newest_jax
 from reference import (as_bits, attention_tiled_keep, key_data, numpy_threefry2x32, numpy_tiled_tile, tiled_bits,
                        tiled_drop_threshold, tiled_dropout, ulp_distance)
 from torch_pallas.kernels import attention, dropout, dropout_matmul, elementwise, prng, sampling
@@ -86,6 +87,7 @@ SHAPES = [
 
 # Each tile hashed whole, and 8 hash-grid rows at a time (what jax 0.7.1's kernels compile for TPU:
 # compat.TILED_HASH_IN_PIECES; in interpret mode only here).
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("in_pieces", [False, True], ids=["whole", "in-pieces"])
 @pytest.mark.parametrize("shape,uniform_bits,blocks", SHAPES, ids=[f"{case[0]}-{case[1]}" for case in SHAPES])
 def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, uniform_bits, blocks, in_pieces):
@@ -160,6 +162,7 @@ def attention_mask(shape, dropout_p, head_dim=8, **options):
     return np.asarray(out), np.swapaxes(np.asarray(grad_value), -1, -2)[..., :L, :] > 0
 
 
+@covered_on_the_newest_jax
 @pytest.mark.parametrize("shape,blocks", [
     ((2, 2, 197, 197), [dict(blocks=AttnBlocks(197, 197, 1), backward_blocks=AttnBlocks(197, 197, 2))]),
     ((1, 1, 264, 300), [dict(blocks=AttnBlocks(16, 128), backward_blocks=AttnBlocks(8, 384))]),
