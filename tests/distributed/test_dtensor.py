@@ -149,12 +149,49 @@ CASES[4]["train_gpt2_tensor_parallel-transformers-gpt2-tp-sp-fsdp2-mesh(2, 2)"] 
     op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), gpt2=True)
 
 
+# The cases every run checks: each op, placement kind (split, uneven and empty shards, replicated,
+# partial, two mesh dims), impl and client once. A group's time is its processes' kernel compiles (a
+# case of shapes already compiled takes a fraction of a second), so the slow tier adds the cases
+# whose kernels or shapes only combine what these check.
+FAST = {2: {
+    "dropout-tiled-3x50x40-S(0)-mesh(2,)", "dropout-tiled-3x50x40-S(1)-mesh(2,)", "dropout-tiled-3x50x40-S(2)-mesh(2,)",
+    "dropout-tiled-3x50x40-R-mesh(2,)", "dropout-tiled-3x50x40-P-mesh(2,)", "dropout-tiled-4x64x128-S(0)-mesh(2,)",
+    "dropout-tiled-4x64x128-S(2)-mesh(2,)", "dropout-threefry-3x50x40-S(1)-mesh(2,)",
+    "dropout-threefry-4x64x128-S(0)-mesh(2,)", "dropout-threefry-4x64x128-P-mesh(2,)",
+    "uniform-tiled-3x50x40-S(1)-mesh(2,)", "normal-threefry-4x64x128-S(2)-mesh(2,)",
+    "matrix-rows-bfloat16-mesh(2,)", "matrix-columns-mesh(2,)", "shared-mask-threefry-mesh(2,)",
+    "shared-mask-tiled-mesh(2,)", "generator-key-seeded-alike-mesh(2,)", "routed-F.dropout-mesh(2,)",
+    "routed-attention-weights-heads-mesh(2,)", "converted-nn.Dropout-mesh(2,)", "dropout_add-partial-mesh(2,)",
+    "dropout2d-channels-mesh(2,)", "sequence-parallel-converted-block-mesh(2,)",
+    "colwise-parallel-converted-block-mesh(2,)", "compiled-fullgraph-mesh(2,)", "dropout_linear-rows-mesh(2,)",
+    "dropout_linear-sequence-uneven-mesh(2,)", "dropout_linear-columns-tensor-parallel-bias-mesh(2,)",
+    "dropout_linear-features-row-parallel-unfused-mesh(2,)", "dropout_linear-rows-compiled-fullgraph-mesh(2,)",
+    "dropout_matmul-heads-uneven-mesh(2,)", "dropout_matmul-replicated-value-threefry-unfused-mesh(2,)",
+    "dropout_matmul-rows-tiled-refused-mesh(2,)", "attention-tiled-S(0)-mesh(2,)",
+    "attention-threefry-gqa-S(1)-mesh(2,)", "attention-learned-bias-split-with-the-heads-mesh(2,)",
+    "indrnn-S(1)-lengths-mesh(2,)",
+    "nn.IndRNN-batch-mesh(2,)", "accelerate-set_seed-device_specific-mesh(2,)"},
+    4: {
+    "dropout-tiled-3x50x40-S(0)-mesh(4,)", "dropout-tiled-3x50x40-S(1)-mesh(4,)", "dropout-tiled-3x50x40-P-mesh(4,)",
+    "generator-key-seeded-alike-mesh(4,)", "routed-F.dropout-mesh(4,)", "converted-nn.Dropout-mesh(4,)",
+    "dropout_add-partial-mesh(4,)", "dropout2d-spatial-mesh(4,)", "sequence-parallel-converted-block-mesh(4,)",
+    "colwise-parallel-converted-block-mesh(4,)", "dropout-tiled-4x64x128-S(0)S(1)-mesh(2, 2)",
+    "dropout-tiled-4x64x128-S(1)S(1)-mesh(2, 2)", "dropout-tiled-4x64x128-RS(2)-mesh(2, 2)",
+    "dropout-tiled-3x50x40-S(1)P-mesh(2, 2)", "dropout-threefry-3x50x40-S(1)P-mesh(2, 2)",
+    "dropout-threefry-4x64x128-S(0)S(1)-mesh(2, 2)", "uniform-tiled-3x50x40-RS(2)-mesh(2, 2)",
+    "dropout_linear-rows-and-columns-mesh(2, 2)", "attention-tiled-S(0)S(1)-mesh(2, 2)",
+    "indrnn-S(1)S(2)-lengths-mesh(2, 2)", "train_tensor_parallel-tp-sp-fsdp2-checkpointed-mesh(2, 2)"}}
+assert all(FAST[world] <= set(CASES[world]) for world in CASES), [FAST[w] - set(CASES[w]) for w in CASES]
+
+
 @pytest.fixture(scope="module")
-def outcomes():
+def outcomes(request):
     """Every case's outcome on every rank: {world: {case: [None or the failure, per rank]}}."""
     context = multiprocessing.get_context("spawn")
     everything = {}
     for world, cases in CASES.items():
+        if not request.config.getoption("--slow"):
+            cases = {name: case for name, case in cases.items() if name in FAST[world]}
         with tempfile.TemporaryDirectory() as directory:
             results = context.Queue()
             processes = [context.Process(target=worker, args=(rank, world, os.path.join(directory, "store"),
@@ -169,7 +206,8 @@ def outcomes():
     return everything
 
 
-@pytest.mark.parametrize("world,name", [(world, name) for world, cases in CASES.items() for name in cases])
+@pytest.mark.parametrize("world,name", [pytest.param(world, name, marks=() if name in FAST[world] else pytest.mark.slow)
+                                        for world, cases in CASES.items() for name in cases])
 def test_a_dtensor_shard_draws_its_part_of_the_unsharded_noise(outcomes, world, name):
     failures = [f"rank {rank}: {failure}" for rank, failure in enumerate(outcomes[world][name]) if failure]
     assert not failures, "\n".join(failures)
