@@ -10,6 +10,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_pallas
+from conftest import read_together
 from reference import SEEDS
 
 DEVICE = torch_xla.device()
@@ -32,7 +33,7 @@ def run(function, x, weight, bias, grad):
     out = function(*leaves)
     out.backward(grad)
     torch_xla.sync()
-    return [out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves]
+    return read_together([out.detach(), *(leaf.grad for leaf in leaves)])[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,6 +16,7 @@ xr.use_spmd()
 
 import torch_pallas  # noqa: E402
 from attention_cases import sharded_case  # noqa: E402
+from conftest import read_together  # noqa: E402
 from hlo_dump import all_gather_sizes, compiled_modules  # noqa: E402
 
 DEVICE = torch_xla.device()
@@ -130,7 +131,7 @@ def test_dropout_linear_runs_per_shard_with_the_unsharded_mask(shape, spec, weig
         out.square().sum().backward()
         return out, x.grad, w.grad
 
-    expected = [t.cpu() for t in run(x.to(DEVICE))]
+    expected, = read_together(run(x.to(DEVICE)))
     x_sharded = sharded(x, mesh_of("2x2"), spec)
     calls, apply = [], dropout_linear_ops.apply
     dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs) or apply(*args, **kwargs)
@@ -172,7 +173,7 @@ def test_indrnn_sharded_equals_unsharded(mesh, spec, weight_spec):
         (output.square().sum() + h_n.sum()).backward()
         return output, h_n, x.grad, w.grad, h.grad
 
-    expected = [t.cpu() for t in run(x.to(DEVICE))]
+    expected, = read_together(run(x.to(DEVICE)))
     x_sharded = sharded(x, mesh_of(mesh), spec)
     modules = compiled_modules(lambda: torch_xla.sync())  # the inputs' transfer
     got = run(x_sharded, weight_spec)
@@ -405,7 +406,7 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
         grads = [p.grad for name, p in model.named_parameters() if p.requires_grad]
         return [loss, *grads]
 
-    expected = [t.cpu() for t in step(sharded=False)]
+    expected, = read_together(step(sharded=False))  # (each tensor read alone compiles a graph of its own)
     calls, apply = [], dropout_linear_ops.apply
     dropout_linear_ops.apply = lambda *args, **kwargs: calls.append(kwargs["sharding_text"]) or apply(*args, **kwargs)
     try:
@@ -413,6 +414,7 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
     finally:
         dropout_linear_ops.apply = apply
     assert len(calls) == 7 and all(calls), calls  # one fused call per adapted layer, on the devices' rows
+    got, = read_together(got)
     torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-6)
     assert len(got) == len(expected) == 15
     for grad, reference in zip(got[1:], expected[1:]):
