@@ -21,6 +21,12 @@ from dtensor_cases import worker
 # whose dims split evenly into whole bands of tiles only along the batch, and a 2-D one.
 ONE_ROW, BANDS, MATRIX = (3, 50, 40), (4, 64, 128), (8, 384)
 
+
+def named(placements) -> str:
+    """Placements as a case's name spells them on every torch: S(0), R, P (torch 2.14 prints P(sum))."""
+    return "".join("P" if isinstance(placement, Partial) else str(placement) for placement in placements)
+
+
 CASES = {2: {}, 4: {}}
 for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
     one_dim = len(mesh) == 1
@@ -30,7 +36,7 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
     for impl in ("tiled", "threefry") if world == 2 or not one_dim else ("tiled",):
         for shape in (ONE_ROW, BANDS):
             for placements in placement_sets:
-                name = f"dropout-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
+                name = f"dropout-{impl}-{'x'.join(map(str, shape))}-{named(placements)}-mesh{mesh}"
                 CASES[world][name] = dict(op="dropout", impl=impl, shape=shape, placements=placements, mesh=mesh,
                                           key="seed")
     sample_placements = [placements for placements in placement_sets if not any(
@@ -38,7 +44,7 @@ for world, mesh in ((2, (2,)), (4, (4,)), (4, (2, 2))):
     samples = (("uniform", "tiled", ONE_ROW), ("normal", "threefry", BANDS)) if world == 2 or not one_dim else ()
     for op, impl, shape in samples + ((("bernoulli", "tiled", BANDS),) if world == 2 else ()):
         for placements in sample_placements if op != "bernoulli" else [[Shard(1)]]:
-            name = f"{op}-{impl}-{'x'.join(map(str, shape))}-{''.join(map(str, placements))}-mesh{mesh}"
+            name = f"{op}-{impl}-{'x'.join(map(str, shape))}-{named(placements)}-mesh{mesh}"
             CASES[world][name] = dict(op=op, impl=impl, shape=shape, placements=placements, mesh=mesh)
     if one_dim:
         more = {
@@ -121,7 +127,7 @@ HEADS, GQA_HEADS = (4, 4, 32, 16), (4, 2, 32, 16)
 for world, mesh, placements, kv_shape, impl in (
         (2, (2,), [Shard(0)], HEADS, "tiled"), (2, (2,), [Shard(1)], GQA_HEADS, "threefry"),
         (4, (4,), [Shard(1)], HEADS, "tiled"), (4, (2, 2), [Shard(0), Shard(1)], HEADS, "tiled")):
-    name = f"attention-{impl}-{'gqa-' if kv_shape != HEADS else ''}{''.join(map(str, placements))}-mesh{mesh}"
+    name = f"attention-{impl}-{'gqa-' if kv_shape != HEADS else ''}{named(placements)}-mesh{mesh}"
     CASES[world][name] = dict(op="attention", shape=HEADS, kv_shape=kv_shape, placements=placements, mesh=mesh,
                               impl=impl)
 CASES[2]["attention-padding-mask-split-with-the-batch-mesh(2,)"] = dict(
@@ -138,7 +144,7 @@ CASES[4]["attention-bias-replicated-mesh(2, 2)"] = dict(
     mask_shape=(32, 32), mask_dtype=torch.float32, mask_placements=[Replicate(), Replicate()])
 for world, mesh, placements, lengths in ((2, (2,), [Shard(1)], [8, 3, 0, 5]), (2, (2,), [Shard(2)], None),
                                          (4, (2, 2), [Shard(1), Shard(2)], [8, 3, 0, 5])):
-    name = f"indrnn-{''.join(map(str, placements))}{'-lengths' if lengths else ''}-mesh{mesh}"
+    name = f"indrnn-{named(placements)}{'-lengths' if lengths else ''}-mesh{mesh}"
     CASES[world][name] = dict(op="indrnn", shape=(8, 4, 128), placements=placements, mesh=mesh, lengths=lengths)
 CASES[2]["nn.IndRNN-batch-mesh(2,)"] = dict(op="IndRNN", mesh=(2,))
 CASES[2]["accelerate-set_seed-device_specific-mesh(2,)"] = dict(op="seeding", mesh=(2,))
