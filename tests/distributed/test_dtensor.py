@@ -175,8 +175,7 @@ FAST = {2: {
     "dropout_matmul-heads-uneven-mesh(2,)", "dropout_matmul-replicated-value-threefry-unfused-mesh(2,)",
     "dropout_matmul-rows-tiled-refused-mesh(2,)", "attention-tiled-S(0)-mesh(2,)",
     "attention-threefry-gqa-S(1)-mesh(2,)", "attention-learned-bias-split-with-the-heads-mesh(2,)",
-    "indrnn-S(1)-lengths-mesh(2,)",
-    "nn.IndRNN-batch-mesh(2,)", "accelerate-set_seed-device_specific-mesh(2,)"},
+    "indrnn-S(1)-lengths-mesh(2,)", "nn.IndRNN-batch-mesh(2,)", "accelerate-set_seed-device_specific-mesh(2,)"},
     4: {
     "dropout-tiled-3x50x40-S(0)-mesh(4,)", "dropout-tiled-3x50x40-S(1)-mesh(4,)", "dropout-tiled-3x50x40-P-mesh(4,)",
     "generator-key-seeded-alike-mesh(4,)", "routed-F.dropout-mesh(4,)", "converted-nn.Dropout-mesh(4,)",
