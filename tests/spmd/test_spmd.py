@@ -415,7 +415,7 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
         dropout_linear_ops.apply = apply
     assert len(calls) == 7 and all(calls), calls  # one fused call per adapted layer, on the devices' rows
     got, = read_together(got)
-    torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     assert len(got) == len(expected) == 15
     for grad, reference in zip(got[1:], expected[1:]):
-        torch.testing.assert_close(grad.cpu(), reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))
+        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))
