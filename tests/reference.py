@@ -180,6 +180,17 @@ def numpy_threefry2x32(key, x0, x1, rounds):
     return x0, x1
 
 
+# The fixed key of the tiled impl's key mix: Random123's known-answer key (docs/noise.md).
+TILED_KEY_MIX = (0x13198A2E, 0x03707344)
+
+
+def tiled_key(key_words) -> np.ndarray:
+    """The tiled impl's hash key for a call's uint32 key words: Threefry-2x32-20 of them (as the
+    counter) under :data:`TILED_KEY_MIX`."""
+    k0, k1 = (np.asarray(word, np.uint32).reshape(1) for word in key_words)  # arrays: numpy wraps them silently
+    return np.concatenate(numpy_threefry2x32(TILED_KEY_MIX, k0, k1, rounds=20))
+
+
 def tiled_hash(key, x0, x1):
     """The tiled impl's hash: Threefry-2x32-13 of the counter ``(x0, x1)``."""
     return numpy_threefry2x32(key, x0, x1, rounds=13)
@@ -222,7 +233,7 @@ def tiled_bits(seed, shape, uniform_bits=32):
     if tiling.first_dims_swapped(shape):
         return tiled_bits(seed, (shape[1], shape[0], *shape[2:]), uniform_bits).swapaxes(0, 1)
     view = tiling.view_2d(shape)
-    key = key_data(seed).view(np.uint32)
+    key = tiled_key(key_data(seed).view(np.uint32))
     return numpy_tiled_view(key, view, tiling.hardware_tile(*view), uniform_bits).reshape(shape)
 
 
@@ -263,6 +274,6 @@ def attention_tiled_keep(shape, dropout_p, seed=1234):
     *batch, L, S = shape
     tile = attention.attention_tile(L, S)
     tiles_per_plane = -(-L // tile[0]) * -(-S // tile[1])
-    key = key_data(seed).view(np.uint32)
+    key = tiled_key(key_data(seed).view(np.uint32))
     planes = [numpy_tiled_view(key, (L, S), tile, 16, b * tiles_per_plane) for b in range(int(np.prod(batch)))]
     return tiled_keep_from_bits(np.stack(planes).reshape(shape), dropout_p)

@@ -21,7 +21,7 @@ import pytest
 from scipy import stats
 
 from conftest import covered_on_the_newest_jax
-from reference import key_data, numpy_threefry2x32, numpy_tiled_view, offset_words, tiled_hash
+from reference import key_data, numpy_threefry2x32, numpy_tiled_view, offset_words, tiled_hash, tiled_key
 from torch_pallas.kernels import dropout, elementwise, prng, tiling
 
 ALPHA = 1e-9
@@ -149,14 +149,15 @@ class Model:
     first_tile_of: object = _same_tile
     eight_bit_dropout: bool = False  # FlashAttention-2's: kept where the top byte <= floor((1 - p) * 255), / (1 - p)
     rows: int = ROWS
+    key_mixed: bool = True  # False: the hash keyed by the call's key words themselves (until 2026-12-02)
 
     def hash(self, k0, k1, x0, x1):
         # Keys vary per sample: numpy_threefry2x32 broadcasts its key words.
         return self.hash_words((k0, k1), x0, x1)
 
     def words(self, key, rows, uniform_bits, first_tile=0):
-        return numpy_tiled_view(np.array(key, np.uint32), (rows, LANES), TILE, uniform_bits,
-                                self.first_tile_of(first_tile), self.hash_words)
+        key = tiled_key(key) if self.key_mixed else np.array(key, np.uint32)
+        return numpy_tiled_view(key, (rows, LANES), TILE, uniform_bits, self.first_tile_of(first_tile), self.hash_words)
 
     def dropout(self, key, x, p):
         if self.eight_bit_dropout:
@@ -247,13 +248,42 @@ def neighbour_pairs(generator, relation, uniform_bits):
 RELATIONS = ["rows", "lanes", "hash parts", "tiles", "shards", "adjacent seeds", "fold_in siblings"]
 
 
+def counter_order(words, uniform_bits):
+    """(tiles, parts, positions): the tiled impl's words by their hash's counter, the tile index
+    and the position in the tile's hash grid."""
+    parts, axis = prng.tiled_layout(TILE, uniform_bits)
+    assert axis == 0
+    return words.reshape(-1, parts, TILE[0] // parts * LANES)
+
+
+def seeds_where_their_counters_meet(generator, relation, uniform_bits):
+    """Pairs of elements of seed SEED and a related seed, each where the related seed's first
+    rounds would repeat SEED's if the hash were keyed by the seeds' words themselves (the key is
+    added to the counter before round 1): seed s + 1 at position p and s at p + 1; s + 2**32 at
+    tile t and s at tile t + 1; s ^ 2**10 (here s - 2**10) at position p + 2**10 and s at p."""
+    related, tiles, shift = {"adjacent seeds, shifted": (SEED + 1, 0, 1),
+                             "seeds 2**32 apart, a tile on": (SEED + 2**32, 1, 0),
+                             "seeds a bit apart, shifted": (SEED ^ 2**10, 0, -(2**10))}[relation]
+    assert SEED ^ 2**10 == SEED - 2**10
+    ours = counter_order(draw(generator, uniform_bits=uniform_bits), uniform_bits)
+    theirs = counter_order(draw(generator, words_of_key(key_data(related)), uniform_bits), uniform_bits)
+    if shift < 0:
+        ours, theirs, shift = theirs, ours, -shift
+    return [(ours[tiles:, :, shift:], theirs[:theirs.shape[0] - tiles, :, :theirs.shape[2] - shift])]
+
+
+SEED_RELATIONS = ["adjacent seeds, shifted", "seeds 2**32 apart, a tile on", "seeds a bit apart, shifted"]
+
+
 def check_independence(generator, relation, uniform_bits):
     """For each family of neighbour pairs: each bit of the uniform agrees with its neighbour's with
     probability 1/2; the pairs' top 4 bits fill a 16 x 16 table uniformly; dropout's masks at
     p = 0.5 and 0.1 (kept where the top 16 bits are at least round(p * 65536)) form 2 x 2 tables of
     independent Bernoulli pairs; the uniforms' correlation is 0."""
     p_values = {}
-    for family, (a, b) in enumerate(neighbour_pairs(generator, relation, uniform_bits)):
+    pairs = (seeds_where_their_counters_meet if relation in SEED_RELATIONS else neighbour_pairs)(
+        generator, relation, uniform_bits)
+    for family, (a, b) in enumerate(pairs):
         a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
         p_values[f"{family}: bit agreement"] = binomial_counts_p(bit_counts(~(a ^ b), uniform_bits), a.size, 0.5)
         p_values[f"{family}: 16 x 16 table"] = uniform_histogram_p(
@@ -321,6 +351,16 @@ def test_neighbours_are_independent(generator, relation, uniform_bits):
     assert_passes(check_independence(generator, relation, uniform_bits))
 
 
+@pytest.mark.parametrize("uniform_bits", [32, 16])
+@pytest.mark.parametrize("relation", SEED_RELATIONS)
+@pytest.mark.parametrize("generator", [TILED, TILED_REFERENCE], ids=lambda g: g.name)
+def test_related_seeds_are_independent_where_their_counters_meet(generator, relation, uniform_bits):
+    """The tiled impl's hash is keyed by a mix of the seed's words (prng.tiled_key_words); keyed by
+    the words themselves, these pairs are rejected up to 8 rounds (NEGATIVE_CONTROLS) and, at 13,
+    PractRand rejected seeds s and s + 1 interleaved at 2**32 bytes (docs/noise.md)."""
+    assert_passes(check_independence(generator, relation, uniform_bits))
+
+
 @covered_on_the_newest_jax
 @pytest.mark.parametrize("p", [0.5, 0.1])
 @pytest.mark.parametrize("generator", KERNELS, ids=lambda g: g.name)
@@ -348,6 +388,7 @@ WEAK = {
     "shards number their tiles from 0": Model("shard-local tiles", first_tile_of=lambda first_tile: 0),
     "shards start a tile early": Model("shards overlap", first_tile_of=lambda first_tile: max(first_tile - 1, 0)),
     "8-bit uniforms rescaled by 1 / (1 - p)": Model("FlashAttention-2's dropout", eight_bit_dropout=True),
+    "keyed by the seed's words, 8 rounds": Model("unmixed key, 8 rounds", _rounds(8), key_mixed=False),
 }
 # (weak generator, the check that must reject it, its arguments). Counter avalanche rejects Threefry-2x32
 # with up to 9 rounds, key avalanche up to 8: the tiled impl's 13 are 4 rounds past what these tests see.
@@ -370,6 +411,7 @@ NEGATIVE_CONTROLS = [
     ("shards number their tiles from 0", check_independence, ("shards", 16)),
     ("shards start a tile early", check_independence, ("shards", 16)),
     ("8-bit uniforms rescaled by 1 / (1 - p)", check_dropout, (0.1,)),
+    *(("keyed by the seed's words, 8 rounds", check_independence, (relation, 16)) for relation in SEED_RELATIONS),
 ]
 
 

@@ -1,5 +1,6 @@
 """The tiled impl (docs/noise.md, The generators) against a NumPy reference written from its
-specification (reference.numpy_tiled_tile): Random123's known answers for 13 rounds, committed
+specification (reference.numpy_tiled_tile): Random123's known answers for 13 rounds and for the
+key mix's 20, related seeds' keys far apart, committed
 golden values, the layout rule of each tile shape, and the kernels' bits and masks bit for bit
 for ragged, 1-D, cut-last-tile-row and attention shapes under several blocks and grid orders,
 forward and backward. Its shards: test_sampling.py's per-tile shard tests."""
@@ -13,7 +14,7 @@ import pytest
 
 from conftest import covered_on_the_newest_jax
 from reference import (as_bits, attention_tiled_keep, key_data, numpy_threefry2x32, numpy_tiled_tile, tiled_bits,
-                       tiled_drop_threshold, tiled_dropout, ulp_distance)
+                       tiled_drop_threshold, tiled_dropout, tiled_key, ulp_distance)
 from torch_pallas.kernels import attention, dropout, dropout_matmul, elementwise, prng, sampling
 from torch_pallas.kernels.attention import AttentionBlocks as AttnBlocks
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
@@ -28,12 +29,16 @@ THREEFRY13_KNOWN_ANSWERS = [
     ((0x243F6A88, 0x85A308D3), (0x13198A2E, 0x03707344), (0xBA3E4725, 0xF27D669E)),
 ]
 
+# Random123's tests/kat_vectors, the line ``threefry2x32 20`` of pi's digits: the key the mix
+# uses, and seed 0x243F6A8885A308D3's words as the counter.
+KEY_MIX_KNOWN_ANSWER = (0x243F6A8885A308D3, (0xC4923A9C, 0x483DF7A0))
+
 # Row 0, columns 0-7 of the 32-bit bits of a (64, 1024) tensor (one (64, 1024) tile, index 0):
-# word 0 of the hashes at positions 0-7. Changing them changes every user's tiled noise.
+# word 0 of the hashes at positions 0-7. Changing them changes every user's tiled noise (they
+# changed on 2026-12-02, when the hash's key became the mix of the seed's words).
 GOLDEN = {
-    # Seed 0's key and tile 0's first counter are all zeros: Random123's first known answer.
-    0: [0x9D1C5EC6, 0x4050E5B0, 0x59643E7D, 0x90EC527F, 0xB55FC994, 0x9FB79CD4, 0x915E820E, 0xBE3A6B14],
-    2**40 + 7: [0x4406FC03, 0x7BE2EC23, 0x9C7A5C6E, 0xBC8CE926, 0x4773BC87, 0xE4AB8F93, 0xC3C0AF87, 0xE9469747],
+    0: [0x313C6C40, 0xF321CBFC, 0xFEC3BF31, 0x735DC53E, 0x639D574B, 0x09AD9982, 0xF65220F9, 0x0B9D5844],
+    2**40 + 7: [0x409E6CC9, 0xC2E468AC, 0x38776698, 0x99F38808, 0x7F7F02EC, 0x2DEBC387, 0x01AF0392, 0xE4E30D28],
 }
 
 
@@ -52,11 +57,30 @@ def test_threefry_13_rounds_gives_random123s_known_answers(counter, key, expecte
     assert tuple(int(w[0]) for w in numpy_threefry2x32(key, [counter[0]], [counter[1]], 13)) == expected
 
 
+def test_the_hash_is_keyed_by_threefry_20_of_the_seeds_words():
+    seed, expected = KEY_MIX_KNOWN_ANSWER
+    assert tuple(np.asarray(prng.tiled_key_words(jnp.asarray(key_data(seed)))).view(np.uint32)) == expected
+    assert tuple(tiled_key(key_data(seed).view(np.uint32))) == expected
+
+
+def test_related_seeds_key_the_hash_with_unrelated_words():
+    """Seeds users write side by side (s, s + 1, s + 2**32, s ^ 2**k for each of the 64 bits) get
+    hash keys about 32 of 64 bits apart: none within 8 bits of another (6 standard deviations),
+    where the seed's words themselves are 1 to 2 bits apart."""
+    seed = 2**40 + 7
+    related = sorted({seed, seed + 1, seed + 2**32, *(seed ^ 1 << k for k in range(64))})
+    keys = np.stack([np.asarray(prng.tiled_key_words(jnp.asarray(key_data(s)))).view(np.uint32) for s in related])
+    distances = [sum(bin(int(w)).count("1") for w in keys[i] ^ keys[j])
+                 for i in range(len(related)) for j in range(i)]
+    assert 8 <= min(distances) and max(distances) <= 56, (min(distances), max(distances))
+
+
 @pytest.mark.parametrize("seed", GOLDEN)
 def test_golden_values(seed):
     expected = np.array(GOLDEN[seed], np.uint32)
     np.testing.assert_array_equal(raw_bits((64, 1024), seed)[0, :8], expected)
-    np.testing.assert_array_equal(numpy_tiled_tile(key_data(seed).view(np.uint32), 0, (64, 1024), 32)[0, :8], expected)
+    np.testing.assert_array_equal(numpy_tiled_tile(tiled_key(key_data(seed).view(np.uint32)), 0, (64, 1024), 32)[0, :8],
+                                  expected)
 
 
 @pytest.mark.parametrize("tile,uniform_bits,layout,grid", [

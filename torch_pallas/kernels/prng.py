@@ -28,7 +28,8 @@ Two generators, chosen by ``impl``:
     (block invariance, tile numbering, shards), and the same bits in interpret mode on CPU and
     compiled on every TPU generation. One hash gives 64 bits, which fill two elements with 32
     bits each (sampling), or four with 16 (dropout's keep test, :data:`DROPOUT_BITS`): about a
-    fifth of threefry's work per element of a mask. Not ``jax.random``'s bits.
+    fifth of threefry's work per element of a mask. Its key is a full-strength mix of the call's
+    key words (:func:`tiled_key_words`). Not ``jax.random``'s bits.
 
 Everything here runs inside a kernel body. Key data arrives as two int32 words in SMEM (the
 form it crosses the torch/JAX boundary in) and is reinterpreted as uint32 here.
@@ -73,6 +74,10 @@ TILED_ROUNDS = 13
 # the elements one hash fills, plus the shifts that place 16-bit uniforms.
 _NOISE_OPS = {THREEFRY: 113, HARDWARE: 1}
 _TILED_HASH_OPS = 5 * TILED_ROUNDS + 2 * (TILED_ROUNDS // 4) + 3
+
+# The fixed key of the tiled impl's key mix (:func:`tiled_key_words`): Random123's known-answer
+# key (digits of pi), so that the mix of one seed is a published answer (tests/kernels/test_tiled.py).
+TILED_KEY_MIX = (np.uint32(0x13198A2E), np.uint32(0x03707344))
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_SCHEDULE_PARITY = np.uint32(0x1BD11BDA)
@@ -300,8 +305,8 @@ def _position_counter(grid: tuple[int, int], first_row: int = 0) -> jax.Array:
 
 def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
     """uint32 bits of one ``tile`` of the tiled impl: Threefry-2x32 with 13 rounds keyed by
-    the call's two threefry key words, whose counter is ``(tile_index, position)`` for each
-    position of the hash grid that :func:`tiled_layout` gives the tile. The grid's words fill
+    the call's :func:`tiled_key_words` (which ``key_data_ref`` holds), whose counter is
+    ``(tile_index, position)`` for each position of the hash grid that :func:`tiled_layout` gives the tile. The grid's words fill
     its slabs in order: for 32 bits word 0 then word 1; for 16 bits word 0's low half, its high
     half, word 1's low half, its high half; slabs along rows are cut to the tile's rows. An element's
     uniform is the top ``uniform_bits`` of its bits (the low 16 of a 16-bit element's are not
@@ -331,16 +336,34 @@ def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: i
 
 def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
     """uint32 bits of one ``tile`` of a per-tile impl (:data:`PER_TILE_IMPLS`): ``key_data_ref``
-    holds :func:`hardware_key_data` for ``"hardware"``, the threefry key words for ``"tiled"``."""
+    holds :func:`key_words`: :func:`hardware_key_data` for ``"hardware"``, :func:`tiled_key_words` for ``"tiled"``."""
     if impl == HARDWARE:
         return hardware_tile_bits(key_data_ref, tile_index, tile)
     return tiled_tile_bits(key_data_ref, tile_index, tile, uniform_bits)
 
 
+def tiled_key_words(key_data: jax.Array) -> jax.Array:
+    """int32 (2,) key words of the tiled impl's hash for threefry key data: Threefry-2x32 with 20
+    rounds of the key data as the counter, under the fixed key :data:`TILED_KEY_MIX`.
+
+    The hash's key is added to its counter before its first round, so keyed by the seed's words
+    themselves, seed s + 1 at position p and seed s at p + 1 (s + 2**32 and the next tile, s ^ 2**k
+    and 2**k positions on) would run their first rounds alike and differ only through the later
+    key injections: their streams interleaved failed PractRand at 2**32 bytes. Through a block
+    cipher at full strength, related seeds give unrelated keys. Scalar work, once per call."""
+    words = lax.bitcast_convert_type(key_data, jnp.uint32)
+    mixed = threefry2x32(*TILED_KEY_MIX, words[0], words[1])
+    return lax.bitcast_convert_type(jnp.stack(mixed), jnp.int32)
+
+
 def key_words(key_data: jax.Array, impl: str) -> jax.Array:
     """The int32 (2,) key words a kernel of ``impl`` reads: :func:`hardware_key_data` for the
-    hardware PRNG, the threefry key data itself otherwise. Computed outside the kernel."""
-    return hardware_key_data(key_data) if impl == HARDWARE else key_data
+    hardware PRNG, :func:`tiled_key_words` for the tiled impl, the threefry key data itself for
+    threefry (``jax.random``'s, whose 20 rounds leave related keys unrelated). Computed outside
+    the kernel."""
+    if impl == HARDWARE:
+        return hardware_key_data(key_data)
+    return tiled_key_words(key_data) if impl == TILED else key_data
 
 
 def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int, base=None,
@@ -352,7 +375,7 @@ def chunk_bits(impl: str, key_data_ref, chunk_shape, row0, col0, row_stride: int
     padded to whole tiles, ``row_stride`` its width, the chunk one tile (the seed tile) at a
     tile's position, ``base`` (int32) the index of the view's first tile in the whole
     tensor's view, and ``key_data_ref`` holds :func:`hardware_key_data`; the same for
-    ``impl="tiled"`` with the key words themselves, whose tiles hold ``uniform_bits``-bit
+    ``impl="tiled"`` with :func:`tiled_key_words`, whose tiles hold ``uniform_bits``-bit
     uniforms (:func:`tiled_tile_bits`).
     """
     if impl == THREEFRY:
