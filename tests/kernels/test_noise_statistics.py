@@ -6,7 +6,7 @@ NumPy reference (reference.numpy_tiled_view, bit for bit the kernels' in test_ti
 larger volume. ``impl="threefry"`` runs the same tests as a control. Every statistic gives a
 p-value that must exceed :data:`ALPHA`; with fixed seeds the suite is deterministic, and a
 generator whose samples were truly random would fail a statistic with probability at most
-``ALPHA`` each, below 1e-6 for the whole module (Bonferroni over its ~300 statistics). That the statistics can fail is shown by negative controls: deliberately weak
+``ALPHA`` each, below 1e-6 for the whole module (Bonferroni over its few hundred statistics). That the statistics can fail is shown by negative controls: deliberately weak
 generators that each must be rejected.
 """
 
