@@ -191,6 +191,11 @@ def tiled_key(key_words) -> np.ndarray:
     return np.concatenate(numpy_threefry2x32(TILED_KEY_MIX, k0, k1, rounds=20))
 
 
+def tiled_seed_key(seed: int) -> np.ndarray:
+    """The tiled impl's hash key for ``seed``: :func:`tiled_key` of its key data."""
+    return tiled_key(key_data(seed).view(np.uint32))
+
+
 def tiled_hash(key, x0, x1):
     """The tiled impl's hash: Threefry-2x32-13 of the counter ``(x0, x1)``."""
     return numpy_threefry2x32(key, x0, x1, rounds=13)
@@ -233,7 +238,7 @@ def tiled_bits(seed, shape, uniform_bits=32):
     if tiling.first_dims_swapped(shape):
         return tiled_bits(seed, (shape[1], shape[0], *shape[2:]), uniform_bits).swapaxes(0, 1)
     view = tiling.view_2d(shape)
-    key = tiled_key(key_data(seed).view(np.uint32))
+    key = tiled_seed_key(seed)
     return numpy_tiled_view(key, view, tiling.hardware_tile(*view), uniform_bits).reshape(shape)
 
 
@@ -274,6 +279,6 @@ def attention_tiled_keep(shape, dropout_p, seed=1234):
     *batch, L, S = shape
     tile = attention.attention_tile(L, S)
     tiles_per_plane = -(-L // tile[0]) * -(-S // tile[1])
-    key = tiled_key(key_data(seed).view(np.uint32))
+    key = tiled_seed_key(seed)
     planes = [numpy_tiled_view(key, (L, S), tile, 16, b * tiles_per_plane) for b in range(int(np.prod(batch)))]
     return tiled_keep_from_bits(np.stack(planes).reshape(shape), dropout_p)

@@ -85,8 +85,8 @@ def check_against_the_kernels(stream: str) -> str:
 
 
 def run_battery(stream: str, tester: str, arguments, max_log2: int) -> dict:
-    """PractRand's verdict: the longest length with no failure, the first failure, the worst
-    anomaly seen, and the seconds taken."""
+    """PractRand's verdict: the longest length tested, the first failure, every anomaly it
+    reported (with its length), and the seconds taken."""
     start = time.time()
     producer = subprocess.Popen([stream, *arguments], stdout=subprocess.PIPE)
     # (a bare number N is 2^N bytes to RNG_test)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import covered_on_the_newest_jax
 from reference import (SEEDS, as_bits, emulated_hardware_tile_bits, jax_key, jax_random_part, key_data,
-                       numpy_tiled_tile, offset_words, tiled_bits, tiled_key, ulp_distance)
+                       numpy_tiled_tile, offset_words, tiled_bits, tiled_seed_key, ulp_distance)
 from torch_pallas.kernels import elementwise, prng, sampling, tiling
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
@@ -337,7 +337,7 @@ def test_first_tile_of_a_shard_is_its_tile_index_past_2_32_elements(global_cols,
 
 def test_tiled_shard_past_2_32_elements_draws_its_tiles():
     # As below: the shards at elements 2**32 and 2**32 + 2**16 are (64, 1024) tiles 2**16 and 2**16 + 1.
-    key = tiled_key(key_data(5).view(np.uint32))
+    key = tiled_seed_key(5)
     for tile in range(2):
         got = elementwise.noise_map(jnp.asarray(key_data(5)), (64, 1024), as_int32, jnp.int32, impl="tiled",
                                     interpret=True, global_shape=(2**22 + 128, 1024),

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import covered_on_the_newest_jax
 from reference import (as_bits, attention_tiled_keep, key_data, numpy_threefry2x32, numpy_tiled_tile, tiled_bits,
-                       tiled_drop_threshold, tiled_dropout, tiled_key, ulp_distance)
+                       tiled_drop_threshold, tiled_dropout, tiled_seed_key, ulp_distance)
 from torch_pallas.kernels import attention, dropout, dropout_matmul, elementwise, prng, sampling
 from torch_pallas.kernels.attention import AttentionBlocks as AttnBlocks
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
@@ -60,7 +60,7 @@ def test_threefry_13_rounds_gives_random123s_known_answers(counter, key, expecte
 def test_the_hash_is_keyed_by_threefry_20_of_the_seeds_words():
     seed, expected = KEY_MIX_KNOWN_ANSWER
     assert tuple(np.asarray(prng.tiled_key_words(jnp.asarray(key_data(seed)))).view(np.uint32)) == expected
-    assert tuple(tiled_key(key_data(seed).view(np.uint32))) == expected
+    assert tuple(tiled_seed_key(seed)) == expected
 
 
 def test_related_seeds_key_the_hash_with_unrelated_words():
@@ -79,8 +79,7 @@ def test_related_seeds_key_the_hash_with_unrelated_words():
 def test_golden_values(seed):
     expected = np.array(GOLDEN[seed], np.uint32)
     np.testing.assert_array_equal(raw_bits((64, 1024), seed)[0, :8], expected)
-    np.testing.assert_array_equal(numpy_tiled_tile(tiled_key(key_data(seed).view(np.uint32)), 0, (64, 1024), 32)[0, :8],
-                                  expected)
+    np.testing.assert_array_equal(numpy_tiled_tile(tiled_seed_key(seed), 0, (64, 1024), 32)[0, :8], expected)
 
 
 @pytest.mark.parametrize("tile,uniform_bits,layout,grid", [
