@@ -20,7 +20,7 @@ import pytest
 from conftest import NEEDS_LIBTPU, ON_TPU, crossed
 from hlo_dump import tpu_kernels
 from torch_pallas.kernels import (attention, calls, compat, dropout, dropout_linear, dropout_matmul, indrnn, prng,
-                                  sampling)
+                                  sampling, token_sampling)
 from torch_pallas.kernels.tiling import ElementwiseBlocks, RecurrenceBlocks
 from jax.sharding import PartitionSpec as P
 
@@ -398,6 +398,23 @@ def test_dropout_linear_per_shard_on_a_2x2_topology(generation, impl="tiled"):
                                    jax.ShapeDtypeStruct((16, 1024), jnp.float32), generation=generation)
 
 
+# (batch, vocabulary): Llama 3's vocabulary, and a ragged one smaller than a block.
+TOKEN_SAMPLING_SHAPES = {"llama3": (8, 128256), "ragged": (13, 1000)}
+
+
+@pytest.mark.parametrize("parameters", ["all", "temperature"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_sampling(generation, dtype, parameters, shapes=tuple(TOKEN_SAMPLING_SHAPES)):
+    """The sampler whole: its keys, its kept sets' thresholds (top-k, top-p, min-p) and its
+    Gumbel-max kernel over vocabulary blocks."""
+    for batch, vocabulary in (TOKEN_SAMPLING_SHAPES[name] for name in shapes):
+        rows = [jax.ShapeDtypeStruct((batch,), row_dtype) for row_dtype in (jnp.int32, jnp.float32, jnp.float32)]
+        optional = [rows[0], rows[1], rows[2]] if parameters == "all" else []
+        compiles(functools.partial(token_sampling.sample_tokens, interpret=False),
+                 jax.ShapeDtypeStruct((batch, vocabulary), DTYPES[dtype]), jax.ShapeDtypeStruct((batch, 2), jnp.int32),
+                 rows[0], rows[1], *optional, generation=generation)
+
+
 # Per kernel: both noise impls, a 16-bit and a 32-bit dtype, a shared mask, forced blocks,
 # lengths, sharded programs (tensors past 2**32 elements included) and attention's masks. Attention's
 # planes and heads in lanes at 197 tokens are the tiled configurations' (the hardware impl's per-tile
@@ -428,6 +445,10 @@ REPRESENTATIVE = {
         "2x2-threefry": lambda generation: test_attention_per_shard_on_a_2x2_topology(generation, "threefry")},
     "dropout_matmul": {
         "hardware-float32-197": lambda generation: test_dropout_matmul(generation, "hardware", "float32", ("197",))},
+    "token_sampling": {
+        "bfloat16-all-llama3": lambda generation: test_token_sampling(generation, "bfloat16", "all", ("llama3",)),
+        "float32-temperature-ragged": lambda generation: test_token_sampling(generation, "float32", "temperature",
+                                                                             ("ragged",))},
     "dropout_linear": {
         "threefry-bfloat16-lora": lambda generation: test_dropout_linear(generation, "threefry", "bfloat16", ("lora",)),
         "hardware-float32-ragged": lambda generation: test_dropout_linear(generation, "hardware", "float32",

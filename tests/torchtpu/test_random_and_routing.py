@@ -98,3 +98,18 @@ def test_the_fusing_options_route_without_fusing(fake):
     check_on_tpu(summed, SHAPE, torch.float32)
     check_on_tpu(multiplied, (2, 64, 32), torch.float32)
     check_on_tpu(attended, (2, 64, 32), torch.float32)
+
+
+def test_sample_tokens_dispatches_its_op_and_its_kernel_reaches_torchtpu_as_a_jax_op(fake):
+    from torch_pallas.ops import token_sampling
+
+    logits = torch.randn(4, 1000, device="tpu", dtype=torch.bfloat16)
+    tokens = check_dispatches(lambda: torch_pallas.sample_tokens(logits, [1, 2, 3, 2**64 - 1], [0, 1, 2, 3],
+                                                                  temperature=0.7, top_p=0.9),
+                              "torch_pallas::sample_tokens")
+    check_on_tpu(tokens, (4,), torch.int64)
+    words = torch.zeros(4, 2, dtype=torch.int32, device="tpu")
+    rows = torch.zeros(4, dtype=torch.int32, device="tpu")
+    check_kernel_op(token_sampling._compute_sample_tokens,
+                    (logits, words, rows, torch.ones(4, device="tpu"), None, torch.full((4,), 0.9, device="tpu"),
+                     None), "_jax_sample_tokens", [((4,), torch.int32)])

@@ -1,0 +1,27 @@
+"""torch_pallas.sample_tokens on torchax's ``jax`` device: the kernel's tokens, as on CPU tensors,
+for seeds as ints and as CPU int64 tensors (torchax's own int64 tensors hold 32 bits: JAX runs
+without x64)."""
+
+import pytest
+import torch
+
+import torch_pallas
+from torchax_support import in_env  # noqa: F401  (in_env: fixture)
+
+pytestmark = pytest.mark.usefixtures("in_env")
+
+SEEDS = [0, 2**63 + 5, 2**64 - 1, 12345]
+POSITIONS = [0, 2**31, 2**32 - 1, 3]
+PARAMETERS = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_jax_device_draws_the_cpu_tensors_tokens(dtype):
+    values = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    want = torch_pallas.sample_tokens(values, SEEDS, POSITIONS, **PARAMETERS)
+    seeds = torch.tensor([seed - 2**64 if seed >= 2**63 else seed for seed in SEEDS])
+    for seed_values in (SEEDS, seeds):
+        got = torch_pallas.sample_tokens(values.to("jax"), seed_values, POSITIONS, **PARAMETERS)
+        # (torchax's int64 is int32 without x64)
+        assert got.device.type == "jax" and got.dtype == torch.zeros(1, dtype=torch.int64, device="jax").dtype
+        assert got.cpu().tolist() == want.tolist()

@@ -1,0 +1,344 @@
+"""Per-request seeded token sampling: row ``b``'s token is a function of its logits row, its
+seed, its position and its sampling parameters alone, whatever the batch, the row's slot, the
+vocabulary blocks, the device or the stack.
+
+What a row draws (the contract, stated once here; docs/sampling.md links it):
+
+1. **Its key.** The seed's two 32-bit words (``seed >> 32``, ``seed & 0xFFFFFFFF``) go through
+   Threefry-2x32-20 as the counter under the fixed key :data:`SEED_MIX`; the two output words
+   key a second Threefry-2x32-20 whose counter is ``(0, position)``: :func:`row_key_words`. Two
+   block ciphers at full strength, not a counter offset, so seeds ``s, s + 1`` and positions
+   ``p, p + 1`` (what users number requests and tokens by) give unrelated keys.
+2. **Its noise.** Vocabulary entry ``v`` gets the 32 bits ``jax.random.bits(row_key, (V,))[v]``
+   (partitionable Threefry-2x32-20 of the counter ``(0, v)``: :func:`torch_pallas.kernels.prng.threefry_bits`),
+   made a uniform ``u = (2 * (bits >> 9) + 1) / 2**24`` in (0, 1) and a Gumbel number
+   ``g = -log(-log(u))``: :func:`gumbel_from_bits`.
+3. **Its kept set**: the tokens whose logit is at least a threshold (:func:`keep_threshold`), the
+   intersection of min-p's, top-k's and, over what those keep, top-p's sets; every one holds the
+   largest logit. Ties at a threshold are kept together.
+4. **Its token**: the lowest index of the largest ``logit + T * g`` over the kept set (the
+   Gumbel-max trick: exactly a draw from ``softmax(logits / T)`` restricted to the set).
+   ``T == 0`` keeps only the largest logit: ``torch.argmax``'s token.
+
+Every decision is made by integer operations, comparisons, maxima, and elementwise float32
+arithmetic: the logarithms and exponentials are written here in multiplies and adds
+(:func:`portable_log`, :func:`portable_exp`, after Cephes' ``logf`` and ``expf``), not left to
+each device's transcendental units, whose last bits differ; sums of probability are integer sums
+of 2**-24-quantised masses, exact in any order. So a row split into any batch, slot, vocabulary
+blocks or shards (whose partial maxima, counts and sums are exact) decides alike wherever one
+compiler compiles it. Across compilers one difference remains: where a compiler contracts
+``a * b + c`` into a fused multiply-add (XLA's CPU compiler does, for 23 % of random float32
+operands, 2026-12-02, and no select or barrier between them stopped it reliably), the Gumbel
+numbers' last bits may differ, and with them a token whose two best scores are that close
+(``tests/kernels/test_token_sampling.py`` measures how often).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from torch_pallas.kernels import calls, prng, tiling
+
+# The fixed key under which a seed's words are mixed (:func:`row_key_words`): the golden ratio's
+# first digits (0x9E3779B9, Threefry's and TEA's constant) and pi's next (0x243F6A88), so that no
+# generator of this package shares it (the tiled impl's is Random123's pi digits, prng.TILED_KEY_MIX).
+SEED_MIX = (np.uint32(0x9E3779B9), np.uint32(0x243F6A88))
+# Probability masses are quantised to 2**-MASS_BITS of the largest one's (which is 1) for the
+# top-p threshold's sums: each splits into words of MASS_SPLIT bits, whose uint32 sums are exact
+# for vocabularies below MAX_VOCABULARY.
+MASS_BITS = 24
+MASS_SPLIT = 12
+MAX_VOCABULARY = 2**20
+# Temperatures below this sample greedily: vLLM's _SAMPLING_EPS.
+GREEDY_BELOW = np.float32(1e-5)
+# Below this, exp underflows into subnormals, which some devices flush: treated as 0.
+_EXP_FLOOR = np.float32(-86.0)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_POLYNOMIAL = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                                4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+_LOG_POLYNOMIAL = tuple(np.float32(c) for c in (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1,
+                                                -1.2420140846e-1, 1.4249322787e-1, -1.6668057665e-1,
+                                                2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1))
+_SQRT_HALF = np.float32(0.707106781186547524)
+_MANTISSA = np.int32(0x7FFFFF)
+_HALF_EXPONENT = np.int32(0x3F000000)
+_SIGN = np.uint32(0x80000000)
+
+
+def row_key_words(seed_words: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 key words (each of shape ``positions.shape``) of the rows whose seeds' words are
+    ``seed_words`` (int32 or uint32, ``(..., 2)``: high word, low word) at ``positions``
+    (int32 or uint32): step 1 of the contract."""
+    words = lax.bitcast_convert_type(seed_words, jnp.uint32) if seed_words.dtype == jnp.int32 else seed_words
+    seed_key = prng.threefry2x32(*SEED_MIX, words[..., 0], words[..., 1])
+    position = lax.convert_element_type(positions, jnp.uint32) if positions.dtype != jnp.uint32 else positions
+    return prng.threefry2x32(*seed_key, jnp.zeros_like(position), position)
+
+
+def _polynomial(coefficients, x):
+    result = coefficients[0]
+    for coefficient in coefficients[1:]:
+        result = result * x + coefficient
+    return result
+
+
+def portable_log(x: jax.Array) -> jax.Array:
+    """The natural logarithm of positive normal float32 ``x`` (Cephes' ``logf``: within an ulp),
+    from float32 multiplies and adds and integer bit operations alone (NaN stays NaN)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    exponent = (bits >> 23) - np.int32(126)
+    mantissa = lax.bitcast_convert_type((bits & _MANTISSA) | _HALF_EXPONENT, jnp.float32)  # [0.5, 1)
+    small = mantissa < _SQRT_HALF
+    exponent = lax.convert_element_type(jnp.where(small, exponent - 1, exponent), jnp.float32)
+    m = jnp.where(small, mantissa + mantissa, mantissa) - np.float32(1.0)
+    z = m * m
+    y = _polynomial(_LOG_POLYNOMIAL, m) * m * z
+    y = y + exponent * _LN2_LOW
+    y = y - np.float32(0.5) * z
+    return jnp.where(x == x, (m + y) + exponent * _LN2_HIGH, x)
+
+
+def portable_exp(x: jax.Array) -> jax.Array:
+    """``exp(x)`` for float32 ``x <= 0`` (``-inf`` too; 0 below -86, where it would be subnormal;
+    ``exp(0) == 1`` exactly; NaN stays NaN), Cephes' ``expf`` in float32 multiplies and adds and
+    integer bit operations alone."""
+    clamped = jnp.maximum(x, _EXP_FLOOR)
+    n = jnp.floor(clamped * _LOG2E + np.float32(0.5))
+    r = clamped - n * _LN2_HIGH
+    r = r - n * _LN2_LOW
+    p = _polynomial(_EXP_POLYNOMIAL, r) * (r * r) + r + np.float32(1.0)
+    scaled = lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32)
+                                      + (lax.convert_element_type(n, jnp.int32) << 23), jnp.float32)
+    return jnp.where(x == x, jnp.where(x < _EXP_FLOOR, np.float32(0.0), scaled), x)
+
+
+def gumbel_from_bits(bits: jax.Array) -> jax.Array:
+    """float32 Gumbel numbers ``-log(-log(u))`` of uint32 ``bits``, ``u = (2 * (bits >> 9) + 1)
+    / 2**24``: an odd multiple of 2**-24, never 0 or 1, so every value is finite (in [-2.8, 16.7])."""
+    odd = lax.convert_element_type((bits >> np.uint32(9)) * np.uint32(2) + np.uint32(1), jnp.int32)
+    u = lax.convert_element_type(odd, jnp.float32) * np.float32(2.0**-24)
+    return -portable_log(-portable_log(u))
+
+
+def ordered_key(logits: jax.Array) -> jax.Array:
+    """uint32 keys in the order of float32 ``logits`` (``-inf`` lowest, ``+inf`` highest): a
+    threshold on logits is a threshold on keys, searched bit by bit."""
+    bits = lax.bitcast_convert_type(logits, jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+
+
+def _reciprocal(x: jax.Array) -> jax.Array:
+    """``1 / x`` for positive normal float32 ``x`` to about an ulp, in multiplies and adds: a
+    bit-pattern first guess and four Newton steps (a device's divide may round otherwise)."""
+    guess = lax.bitcast_convert_type(np.int32(0x7EF311C3) - lax.bitcast_convert_type(x, jnp.int32), jnp.float32)
+    for _ in range(4):
+        guess = guess * (np.float32(2.0) - x * guess)
+    return guess
+
+
+def _bisect(predicate, shape) -> jax.Array:
+    """The largest uint32 ``t`` (per row, ``shape``) with ``predicate(t)`` true, for a predicate
+    true at 0 and monotone (true, then false, as ``t`` grows): 32 steps of one bit each."""
+    def step(bit, t):
+        candidate = t | (np.uint32(1) << lax.convert_element_type(31 - bit, jnp.uint32))
+        return jnp.where(predicate(candidate), candidate, t)
+    return lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))
+
+
+def _mass_words(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint32 ``(high, low)`` words of masses in [0, 1] quantised to 2**-MASS_BITS."""
+    quantised = lax.convert_element_type(jnp.floor(masses * np.float32(2.0**MASS_BITS)), jnp.int32)
+    quantised = lax.convert_element_type(quantised, jnp.uint32)
+    return quantised >> np.uint32(MASS_SPLIT), quantised & np.uint32(2**MASS_SPLIT - 1)
+
+
+def _as_float(high: jax.Array, low: jax.Array) -> jax.Array:
+    """float32 of the exact sum ``high * 2**MASS_SPLIT + low`` of quantised masses (rounded
+    once each way: the same on every device)."""
+    return lax.convert_element_type(high, jnp.float32) * np.float32(2.0**MASS_SPLIT) + lax.convert_element_type(
+        low, jnp.float32)
+
+
+def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=None, min_p=None,
+                   reduce=None) -> jax.Array:
+    """uint32 ``(B,)`` threshold of each row's kept set: a token is kept where its
+    :func:`ordered_key` is at least it. Step 3 of the contract:
+
+    - ``T == 0``: the largest logit's key (greedy). NaN logits count as ``-inf``: never kept.
+    - ``T < 1e-5`` counts as 0, as in vLLM (``_SAMPLING_EPS``), and so does a negative ``T`` (its
+      padding rows').
+    - ``min_p`` (``(B,)`` float32, 0: none): the smallest key among tokens whose mass
+      ``exp((logit - max) / T)`` (:func:`portable_exp`; the largest token's is 1) is at least
+      ``min_p``: vLLM's "probability at least min_p times the largest" (it applies min-p before
+      top-k and top-p; transformers applies it after top-p, on the renormalised distribution).
+    - ``top_k`` (``(B,)`` int32, 0 or at least V: none): the k-th largest key (ties at it kept).
+    - ``top_p`` (``(B,)`` float32, 1: none): over the tokens the others keep, the smallest key
+      whose tokens above it hold less than ``top_p`` of their mass (masses quantised to
+      2**-24 of the largest's), so the kept tokens are the fewest largest whose mass reaches
+      ``top_p``, ties kept: transformers' and vLLM's rule (sort ascending, drop where the
+      cumulative probability is at most ``1 - top_p``), but for the order they give ties.
+
+    ``reduce`` (``reduce(kind, x)``, kind ``"max"``, ``"min"`` or ``"sum"`` of a per-row partial) combines
+    partials across vocabulary shards: exact for the maxima and the integer counts and sums, so
+    a sharded row decides as the whole row.
+    """
+    reduce = reduce or (lambda kind, x: x)
+    logits = logits.astype(jnp.float32)
+    logits = jnp.where(logits == logits, logits, -jnp.inf)  # NaN: never drawn
+    keys = ordered_key(logits)
+    largest = reduce("max", jnp.max(logits, axis=-1))
+    greedy = temperature < GREEDY_BELOW
+    threshold = jnp.zeros(largest.shape, jnp.uint32)
+    if min_p is None and top_k is None and top_p is None:
+        return jnp.where(greedy, ordered_key(largest), threshold)
+    scale = _reciprocal(jnp.where(greedy, np.float32(1.0), temperature))
+    # -inf - -inf is NaN in a row of -inf alone: its one kept token is then index 0 whatever this is.
+    masses = portable_exp((logits - largest[:, None]) * scale[:, None])
+    if min_p is not None:
+        least = jnp.min(jnp.where(masses >= min_p[:, None], keys, np.uint32(0xFFFFFFFF)), axis=-1)
+        threshold = jnp.maximum(threshold, jnp.where(min_p > 0, reduce("min", least), np.uint32(0)))
+    if top_k is not None:
+        def at_least_k(t):
+            return reduce("sum", jnp.sum(keys >= t[:, None], axis=-1, dtype=jnp.int32)) >= top_k
+        kth = _bisect(at_least_k, largest.shape)
+        threshold = jnp.maximum(threshold, jnp.where(top_k > 0, kth, np.uint32(0)))
+    if top_p is not None:
+        kept = keys >= threshold[:, None]
+        high, low = _mass_words(jnp.where(kept, masses, np.float32(0.0)))
+        total = _as_float(reduce("sum", jnp.sum(high, axis=-1)), reduce("sum", jnp.sum(low, axis=-1)))
+        bound = top_p * total
+
+        def holds_top_p_above(t):
+            above = keys > t[:, None]
+            mass = _as_float(reduce("sum", jnp.sum(jnp.where(above, high, 0), axis=-1, dtype=jnp.uint32)),
+                             reduce("sum", jnp.sum(jnp.where(above, low, 0), axis=-1, dtype=jnp.uint32)))
+            return mass >= bound
+        # The last key with at least top_p above it; the threshold is the next (everything above it
+        # holds less). At t = 0 the mass above is the whole (top_p <= 1).
+        last = _bisect(holds_top_p_above, largest.shape)
+        nucleus = jnp.where(last == np.uint32(0xFFFFFFFF), last, last + np.uint32(1))
+        threshold = jnp.maximum(threshold, jnp.where(top_p < 1, nucleus, np.uint32(0)))
+    return jnp.where(greedy, ordered_key(largest), threshold)
+
+
+def _gumbel_max_kernel(offset_ref, rows_ref, logits_ref, token_ref, score_ref, *, vocabulary: int,
+                       block_vocabulary: int):
+    """One (rows, vocabulary) block: each row's best ``logit + T * g`` over its kept tokens, and
+    the lowest index holding it, folded into the running best of the blocks before (the output
+    blocks stay resident along the vocabulary axis)."""
+    j = pl.program_id(1)
+    rows = rows_ref[...]
+    k0 = lax.bitcast_convert_type(rows[:, 0:1], jnp.uint32)
+    k1 = lax.bitcast_convert_type(rows[:, 1:2], jnp.uint32)
+    threshold = lax.bitcast_convert_type(rows[:, 2:3], jnp.uint32)
+    temperature = lax.bitcast_convert_type(rows[:, 3:4], jnp.float32)
+    logits = logits_ref[...].astype(jnp.float32)
+    local = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_vocabulary
+    index = local + offset_ref[0]
+    bits = prng.threefry_bits(k0, k1, lax.convert_element_type(index, jnp.uint32))
+    score = logits + temperature * gumbel_from_bits(bits)
+    kept = (ordered_key(logits) >= threshold) & (local < vocabulary)
+    score = jnp.where(kept & (score == score), score, -jnp.inf)
+    best = jnp.max(score, axis=1, keepdims=True)
+    # Where every score of the block is -inf (nothing kept here), its lowest index. In float32 (exact
+    # below 2**24: MAX_VOCABULARY), as Mosaic reduces across lanes in float32 and bfloat16 alone.
+    first = jnp.min(jnp.where(score == best, lax.convert_element_type(index, jnp.float32), np.float32(2**24)),
+                    axis=1, keepdims=True)
+    first = lax.convert_element_type(first, jnp.int32)
+
+    @pl.when(j == 0)
+    def _():
+        score_ref[...] = best
+        token_ref[...] = first
+
+    @pl.when(j > 0)
+    def _():
+        better = best > score_ref[...]
+        token_ref[...] = jnp.where(better, first, token_ref[...])
+        score_ref[...] = jnp.where(better, best, score_ref[...])
+
+
+# Interpret mode pays a host round per grid step: blocks of up to this many logits.
+_INTERPRET_BLOCK_ELEMENTS = 2**22
+# TPU: rows of a block (a vreg's sublanes) and lanes of vocabulary (not tuned on hardware).
+_TPU_BLOCK_VOCABULARY = 2048
+
+
+def default_blocks(batch: int, vocabulary: int, interpret: bool) -> tuple[int, int]:
+    """``(block_rows, block_vocabulary)`` of :func:`gumbel_max` where none are given: whole rows
+    in interpret mode (as many as fit :data:`_INTERPRET_BLOCK_ELEMENTS`), 8 rows by 2048 lanes on TPU."""
+    if interpret:
+        rows = max(_INTERPRET_BLOCK_ELEMENTS // vocabulary // tiling.SUBLANES * tiling.SUBLANES, tiling.SUBLANES)
+        return min(rows, batch), vocabulary
+    return min(tiling.SUBLANES, batch), min(tiling.round_up(vocabulary, tiling.LANES), _TPU_BLOCK_VOCABULARY)
+
+
+def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], threshold: jax.Array,
+               temperature: jax.Array, *, interpret: bool, vocabulary_offset=0, block_rows: int | None = None,
+               block_vocabulary: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Step 4 of the contract in one Pallas kernel over (row, vocabulary) blocks: int32 ``(B,)``
+    tokens (global indices: the logits' column ``c`` is entry ``vocabulary_offset + c``) and their
+    float32 scores, for rows keyed by ``key_words`` (uint32 ``(B,)`` pairs), kept sets by
+    ``threshold`` (:func:`keep_threshold`) and temperatures ``temperature``. The blocks
+    (``block_rows``, ``block_vocabulary``; default per platform) change nothing."""
+    batch, vocabulary = logits.shape
+    default_rows, default_vocabulary = default_blocks(batch, vocabulary, interpret)
+    block_rows = min(block_rows or default_rows, batch)
+    block_vocabulary = min(block_vocabulary or default_vocabulary, vocabulary)
+    if block_rows != batch and block_rows % tiling.SUBLANES:
+        raise ValueError(f"block_rows must be a multiple of {tiling.SUBLANES} or the batch, got {block_rows}")
+    if block_vocabulary != vocabulary and block_vocabulary % tiling.LANES:
+        raise ValueError(f"block_vocabulary must be a multiple of {tiling.LANES} or the vocabulary, got "
+                         f"{block_vocabulary}")
+    rows = jnp.stack([lax.bitcast_convert_type(key_words[0], jnp.int32),
+                      lax.bitcast_convert_type(key_words[1], jnp.int32),
+                      lax.bitcast_convert_type(threshold, jnp.int32),
+                      lax.bitcast_convert_type(temperature.astype(jnp.float32), jnp.int32)], axis=1)
+    offset = jnp.asarray(vocabulary_offset, jnp.int32).reshape(1)
+    grid = (pl.cdiv(batch, block_rows), pl.cdiv(vocabulary, block_vocabulary))
+    from jax.experimental.pallas import tpu as pltpu
+    kernel = functools.partial(_gumbel_max_kernel, vocabulary=vocabulary, block_vocabulary=block_vocabulary)
+    out_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))
+    call = calls.pallas_call(
+        kernel, name=calls.kernel_name("sample_tokens", blocks=(block_rows, block_vocabulary)),
+        cost_estimate=calls.cost_estimate(
+            bytes_accessed=calls.nbytes(logits, rows) + batch * 8,
+            flops=batch * vocabulary * (prng.noise_ops(prng.THREEFRY) + 60)),
+        grid=grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((block_rows, 4), lambda i, j: (i, 0)),
+                  pl.BlockSpec((block_rows, block_vocabulary), lambda i, j: (i, j))],
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, 1), jnp.int32), jax.ShapeDtypeStruct((batch, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret)
+    tokens, scores = call(offset, rows, logits)
+    return tokens[:, 0], scores[:, 0]
+
+
+def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
+                  *, interpret: bool, block_rows: int | None = None,
+                  block_vocabulary: int | None = None) -> jax.Array:
+    """int32 ``(B,)`` token ids sampled from ``logits`` (``(B, V)`` float32 or bfloat16), one per
+    row, by the contract of this module: row ``b``'s token depends on its logits, its seed's
+    words ``seed_words[b]`` (int32 ``(B, 2)``: high, low), ``positions[b]`` (int32) and its
+    parameters (``(B,)`` arrays: ``temperature`` float32, 0 greedy; ``top_k`` int32, 0 none;
+    ``top_p`` float32, 1 none; ``min_p`` float32, 0 none; ``None``: none for every row) alone.
+
+    The pure-JAX entry point: arguments are not checked here (the torch op checks them).
+    """
+    temperature = temperature.astype(jnp.float32)
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
+    # A greedy row's score is its logit: ties at the largest go to the lowest index, not to noise.
+    temperature = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
+    tokens, _ = gumbel_max(logits, row_key_words(seed_words, positions), threshold, temperature,
+                           interpret=interpret, block_rows=block_rows, block_vocabulary=block_vocabulary)
+    return tokens
