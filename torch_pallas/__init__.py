@@ -12,7 +12,7 @@ names raise an ImportError that says so.
 
 __all__ = ["checkpoint", "dropout", "dropout_add", "dropout_linear", "dropout_matmul", "dropout1d", "dropout2d",
            "dropout3d", "indrnn", "convert_dropout", "register_attention", "route_dropout", "scaled_dot_product_attention",
-           "nn", "packing", "random", "sample_tokens", "seeds"]
+           "nn", "packing", "random", "sample_tokens", "SeededSampling", "seeds"]
 __version__ = "0.2.0"
 
 try:
@@ -35,7 +35,7 @@ if _torch_missing is None:
                                          dropout_matmul, indrnn)
     from torch_pallas.nn import convert_dropout
     from torch_pallas.routing import route_dropout
-    from torch_pallas.token_sampling import sample_tokens
+    from torch_pallas.token_sampling import SeededSampling, sample_tokens
     from torch_pallas.transformers_attention import register_attention  # imports transformers only when called
 
     # Now, not at the first call: dynamo cannot trace the import of a front end, so a first call on

@@ -1,4 +1,5 @@
-"""Per-request seeded token sampling: :func:`sample_tokens`."""
+"""Per-request seeded token sampling: :func:`sample_tokens`, and :class:`SeededSampling` for
+transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch_pallas import _checks, seeds as seed_module
 from torch_pallas.kernels import token_sampling as token_sampling_kernels
 from torch_pallas.ops import token_sampling as token_sampling_ops
 
-__all__ = ["sample_tokens"]
+__all__ = ["sample_tokens", "SeededSampling"]
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POSITION_BOUND = 2**32
@@ -163,3 +164,46 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     tokens = token_sampling_ops.sample_tokens(logits, seed_words, position_words, temperature, top_k,
                                               top_p, min_p)
     return tokens.to(torch.int64)
+
+
+class SeededSampling:
+    r"""A transformers logits processor that draws each sequence's next token with
+    :func:`sample_tokens`, keyed by the sequence's own seed and the number of tokens generated so
+    far, so that a prompt's continuation is the same generated alone or in any batch, padded or
+    not::
+
+        model.generate(**inputs, do_sample=True, max_new_tokens=32,
+                       logits_processor=[torch_pallas.SeededSampling(seeds=[11, 12, 13], temperature=0.8, top_p=0.95)])
+
+    It returns scores that are ``-inf`` but at the drawn token (0 there): ``generate``'s own
+    choice (``do_sample=True``'s warpers and ``multinomial``, or ``do_sample=False``'s argmax)
+    then takes that token. transformers runs the processors it builds from its own arguments
+    (repetition penalty, forced tokens) before the ones given, and its warpers after: give the
+    sampling parameters here; ``generate``'s temperature, top-k and top-p then change nothing.
+
+    Args:
+        seeds (sequence of ints or Tensor): one per sequence of the batch ``generate`` runs
+            (with ``num_return_sequences`` or beams, one per expanded sequence).
+        temperature, top_k, top_p, min_p: as :func:`sample_tokens` takes them.
+
+    The position of a token is the number of tokens this processor has drawn in the current
+    ``generate`` call: a call whose sequences are not longer than the last it saw starts again at
+    0, so one processor serves one ``generate`` call at a time.
+    """
+
+    def __init__(self, seeds, *, temperature=1.0, top_k=None, top_p=None, min_p=None):
+        self.seeds = seeds
+        self.parameters = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        self._start = self._last = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        length = input_ids.shape[1]
+        if self._last is None or length <= self._last:
+            self._start = length
+        self._last = length
+        batch = scores.shape[0]
+        position = length - self._start
+        positions = torch.full((batch,), position, dtype=torch.int64, device=scores.device)
+        tokens = sample_tokens(scores, self.seeds, positions, **self.parameters)
+        chosen = torch.full_like(scores, -float("inf"))
+        return chosen.scatter_(1, tokens[:, None].to(torch.int64), 0.0)

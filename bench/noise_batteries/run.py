@@ -1,4 +1,5 @@
-"""PractRand on the tiled impl's streams: writes bench/results/noise_batteries.{json,md}.
+"""PractRand on the tiled impl's streams and the token sampler's: writes
+bench/results/noise_batteries.{json,md}.
 
     python bench/noise_batteries/run.py --practrand PATH [--max-log2 35] [--only NAME ...]
 
@@ -10,6 +11,9 @@ Before any battery the stream is checked bit for bit against the kernels (interp
 words. Each stream runs `RNG_test stdin32 -tlmax 2^max-log2` (PractRand's core tests, standard
 folding, stopping at a failure). The streams of two seeds are interleaved word by word: seed s + 1
 at position p beside s at p + 1 is the pairing the unmixed key made alike in the first rounds.
+sampler_stream.c is torch_pallas.sample_tokens' noise from its specification, checked against the
+kernel's keys and ``jax.random.bits`` first: rows (s, p), (s + 1, p), (s, p + 1), (s + 1, p + 1)
+interleaved word by word over Llama 3's vocabulary, then the next two positions.
 """
 
 import argparse
@@ -26,7 +30,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "..", "results")
 SEED = 42
-# (name, tiled_stream's arguments, what it is)
+# (name, tiled_stream's arguments, what it is); a name starting "sampler" runs sampler_stream.
 STREAMS = [
     ("seeds s, s + 1 interleaved", [str(SEED), str(SEED + 1)], "the pairing that failed at 2^32 bytes unmixed"),
     ("seeds s, s + 1 interleaved, unmixed key", ["--unmixed", str(SEED), str(SEED + 1)],
@@ -37,20 +41,26 @@ STREAMS = [
     ("seed s, 16-bit uniforms", ["--uniform-bits", "16", str(SEED)], "dropout's uniforms, two per word"),
     ("seeds s, s + 1 interleaved, 16-bit uniforms", ["--uniform-bits", "16", str(SEED), str(SEED + 1)],
      "dropout's uniforms of adjacent seeds"),
+    ("sampler: seeds s, s + 1 and positions p, p + 1 interleaved", [str(SEED), "0"],
+     "sample_tokens' rows of related requests and tokens, (s + 1, p) beside (s, p + 1) included"),
 ]
+PROGRAMS = ("tiled_stream", "sampler_stream")
 
 
-def build(practrand: str, directory: str) -> tuple[str, str]:
+def build(practrand: str, directory: str) -> tuple[dict, str]:
     os.makedirs(directory, exist_ok=True)
-    stream = os.path.join(directory, "tiled_stream")
-    subprocess.run(["gcc", "-O3", "-march=native", "-o", stream, os.path.join(HERE, "tiled_stream.c")], check=True)
+    streams = {}
+    for program in PROGRAMS:
+        streams[program] = os.path.join(directory, program)
+        subprocess.run(["gcc", "-O3", "-march=native", "-o", streams[program], os.path.join(HERE, f"{program}.c")],
+                       check=True)
     tester = os.path.join(directory, "RNG_test")
     if not os.path.exists(tester):
         sources = [path for pattern in ("src/*.cpp", "src/RNGs/*.cpp", "src/RNGs/other/*.cpp", "tools/RNG_test.cpp")
                    for path in glob.glob(os.path.join(practrand, pattern))]
         subprocess.run(["g++", "-O3", "-std=c++11", "-I" + os.path.join(practrand, "include"), "-pthread", *sources,
                         "-o", tester], check=True)
-    return stream, tester
+    return streams, tester
 
 
 def stream_words(stream: str, arguments, count: int) -> np.ndarray:
@@ -84,6 +94,20 @@ def check_against_the_kernels(stream: str) -> str:
     return "tiled_stream = the kernels' bits (32- and 16-bit uniforms, 2 tiles) and the unmixed reference"
 
 
+def check_the_sampler_against_the_kernels(stream: str) -> str:
+    """The sampler stream's rows = the kernel module's row keys and jax.random.bits of them."""
+    import jax
+    import jax.numpy as jnp
+    from torch_pallas.kernels import token_sampling
+
+    for seed, position in ((SEED, 0), (SEED + 1, 3), (2**64 - 1, 2**32 - 1)):
+        words = np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
+        key = np.array([word[0] for word in token_sampling.row_key_words(words, np.array([position], np.uint32))])
+        want = np.asarray(jax.random.bits(jax.random.wrap_key_data(key.astype(np.uint32)), (4096,), jnp.uint32))
+        np.testing.assert_array_equal(stream_words(stream, [str(seed), str(position)], 4096), want)
+    return "sampler_stream = the kernels' row keys and jax.random.bits of them (3 rows, 4096 entries)"
+
+
 def run_battery(stream: str, tester: str, arguments, max_log2: int) -> dict:
     """PractRand's verdict: the longest length tested, the first failure, every anomaly it
     reported (with its length), and the seconds taken."""
@@ -112,7 +136,7 @@ def run_battery(stream: str, tester: str, arguments, max_log2: int) -> dict:
 def write(results: dict, check: str) -> None:
     with open(os.path.join(RESULTS, "noise_batteries.json"), "w") as f:
         json.dump({"check": check, "streams": results}, f, indent=1)
-    lines = ["# PractRand on the tiled impl's streams", "",
+    lines = ["# PractRand on the tiled impl's streams and the token sampler's", "",
              "`python bench/noise_batteries/run.py --practrand PATH` (PractRand 0.94 from "
              "MartyMacGyver/PractRand, core tests, standard folding, `RNG_test stdin32 -multithreaded`); "
              f"seed s = {SEED}. {check}. A stream passes to 2^N bytes when PractRand reports no failure "
@@ -134,15 +158,17 @@ def main():
     parser.add_argument("--max-log2", type=int, default=35, help="the longest stream, 2^N bytes")
     parser.add_argument("--only", nargs="*", help="names of STREAMS to run (default: all)")
     args = parser.parse_args()
-    stream, tester = build(args.practrand, args.build)
-    check = check_against_the_kernels(stream)
+    streams, tester = build(args.practrand, args.build)
+    check = f"{check_against_the_kernels(streams['tiled_stream'])}; " \
+            f"{check_the_sampler_against_the_kernels(streams['sampler_stream'])}"
     print(check, flush=True)
     path = os.path.join(RESULTS, "noise_batteries.json")
     results = json.load(open(path))["streams"] if os.path.exists(path) else {}
     for name, arguments, _ in STREAMS:
         if args.only and name not in args.only:
             continue
-        results[name] = run_battery(stream, tester, arguments, args.max_log2)
+        program = "sampler_stream" if name.startswith("sampler") else "tiled_stream"
+        results[name] = run_battery(streams[program], tester, arguments, args.max_log2)
         print(name, {k: v for k, v in results[name].items() if k != "tail"}, flush=True)
         write(results, check)
 
