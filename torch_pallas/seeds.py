@@ -36,7 +36,7 @@ def check_seed(seed) -> int:
     return seed
 
 
-def _signed_key_words(seed: int) -> tuple[int, int]:
+def signed_key_words(seed: int) -> tuple[int, int]:
     """The two key words of a checked ``seed`` as signed 32-bit ints."""
     high, low = seed >> 32, seed & 0xFFFFFFFF
     return tuple(word - 2**32 if word >= 2**31 else word for word in (high, low))
@@ -47,7 +47,7 @@ def key_data_from_seed(seed, device=None) -> torch.Tensor:
 
     Built from Python ints so that ``torch.compile`` folds it into the graph.
     """
-    return torch.tensor(_signed_key_words(check_seed(seed)), dtype=torch.int32, device=device)
+    return torch.tensor(signed_key_words(check_seed(seed)), dtype=torch.int32, device=device)
 
 
 def check_generator(generator) -> torch.Generator:

@@ -59,7 +59,7 @@ def _words(values, name: str, batch: int, device: torch.device, bound: int, word
             raise TypeError(f"{name} must hold ints, got {type(value).__name__} {value!r}")
         if not 0 <= value < bound:
             raise ValueError(f"{name} must be in [0, {'2**64' if bound == 2**64 else '2**32'}), got {value}")
-        split.append([word - 2**32 if word >= 2**31 else word for word in (value >> 32, value & 0xFFFFFFFF)][-words:])
+        split.append(list(seed_module.signed_key_words(int(value)))[-words:])
     return torch.tensor(split, dtype=torch.int32, device=device).reshape(batch, words)
 
 

@@ -30,7 +30,7 @@ compiler compiles it. Across compilers one difference remains: where a compiler 
 ``a * b + c`` into a fused multiply-add (XLA's CPU compiler does, for 23 % of random float32
 operands, 2026-12-02, and no select or barrier between them stopped it reliably), the Gumbel
 numbers' last bits may differ, and with them a token whose two best scores are that close
-(``tests/kernels/test_token_sampling.py`` measures how often).
+(how often has not been measured; a TPU would tell).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import calls, prng, tiling
 
@@ -303,7 +304,6 @@ def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], thresh
                       lax.bitcast_convert_type(temperature.astype(jnp.float32), jnp.int32)], axis=1)
     offset = jnp.asarray(vocabulary_offset, jnp.int32).reshape(1)
     grid = (pl.cdiv(batch, block_rows), pl.cdiv(vocabulary, block_vocabulary))
-    from jax.experimental.pallas import tpu as pltpu
     kernel = functools.partial(_gumbel_max_kernel, vocabulary=vocabulary, block_vocabulary=block_vocabulary)
     out_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))
     call = calls.pallas_call(
