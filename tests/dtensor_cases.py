@@ -116,9 +116,14 @@ def run_case(case: dict, mesh) -> None:
     torch.manual_seed(SEED)
     out = call(sharded_x, sharded_residual) if op == "dropout_add" else call(sharded_x)
     out.backward(distributed(whole_grad(whole, grad), mesh, out.placements))
-    assert_block(out, whole.detach(), mesh, out.placements, "output")
+    partial = any(isinstance(placement, Partial) for placement in placements)
+    # (a Partial x's dropout_add is dropout then torch's add, which may differ from the fused
+    # kernel's sum by the one rounding its docstring allows: XLA's CPU backend contracts the
+    # kernel's product and sum into one FMA at its default optimization level, not at the
+    # suite's level 0, where the two agree bit for bit)
+    assert_block(out, whole.detach(), mesh, out.placements, "output", exact=not (op == "dropout_add" and partial))
     assert_block(sharded_x.grad, whole_x.grad, mesh, placements, "x's gradient")
-    if op == "dropout_add" and not any(isinstance(placement, Partial) for placement in placements):
+    if op == "dropout_add" and not partial:
         # (a Partial residual's gradient is torch's business: its add reduces it to a Replicate one)
         assert_block(sharded_residual.grad, whole_residual.grad, mesh, placements, "residual's gradient")
 
