@@ -507,8 +507,10 @@ def test_transformers_models_eager_attention_dropouts_are_fused_with_their_matmu
     assert not has_softmax(hidden)  # each layer's softmax is in its kernel too
 
 
+# (ViT's, whose eager attention is GPT-2's function, eager_attention_forward: 8 s, in the slow tier)
 @needs_transformers
-@pytest.mark.parametrize("make_model", FUSED_AND_STANDALONE, ids=lambda make: make.__name__)
+@pytest.mark.parametrize("make_model", [pytest.param(make, marks=pytest.mark.slow if make is vit else ())
+                                        for make in FUSED_AND_STANDALONE], ids=lambda make: make.__name__)
 def test_attention_weights_read_elsewhere_hold_the_fused_kernels_mask(make_model):
     """``output_attentions=True`` returns each layer's dropped attention weights beside its output:
     with the attention fused (the defaults) they hold the mask the fused kernel drew, so the

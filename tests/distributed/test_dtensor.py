@@ -15,6 +15,7 @@ import torch
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from conftest import STACK
 from dtensor_cases import worker
 
 # (global shape, why): a tensor whose tiled 2-D view is one row (uneven shards cut its tiles), one
@@ -158,7 +159,9 @@ CASES[4]["train_gpt2_tensor_parallel-transformers-gpt2-tp-sp-fsdp2-mesh(2, 2)"] 
 # The cases every run checks: each op, placement kind (split, uneven and empty shards, replicated,
 # partial, two mesh dims), impl and client once. A group's time is its processes' kernel compiles (a
 # case of shapes already compiled takes a fraction of a second), so the slow tier adds the cases
-# whose kernels or shapes only combine what these check.
+# whose kernels or shapes only combine what these check (on four ranks, attention on a 2-D mesh, 34 s of
+# compiles on two cores, its shards split over batch dims as on one mesh dim; the colwise plan, 15 s, as on
+# two ranks and in the TP + SP + FSDP2 training).
 FAST = {2: {
     "dropout-tiled-3x50x40-S(0)-mesh(2,)", "dropout-tiled-3x50x40-S(1)-mesh(2,)", "dropout-tiled-3x50x40-S(2)-mesh(2,)",
     "dropout-tiled-3x50x40-R-mesh(2,)", "dropout-tiled-3x50x40-P-mesh(2,)", "dropout-tiled-4x64x128-S(0)-mesh(2,)",
@@ -180,12 +183,21 @@ FAST = {2: {
     "dropout-tiled-3x50x40-S(0)-mesh(4,)", "dropout-tiled-3x50x40-S(1)-mesh(4,)", "dropout-tiled-3x50x40-P-mesh(4,)",
     "generator-key-seeded-alike-mesh(4,)", "routed-F.dropout-mesh(4,)", "converted-nn.Dropout-mesh(4,)",
     "dropout_add-partial-mesh(4,)", "dropout2d-spatial-mesh(4,)", "sequence-parallel-converted-block-mesh(4,)",
-    "colwise-parallel-converted-block-mesh(4,)", "dropout-tiled-4x64x128-S(0)S(1)-mesh(2, 2)",
-    "dropout-tiled-4x64x128-S(1)S(1)-mesh(2, 2)", "dropout-tiled-4x64x128-RS(2)-mesh(2, 2)",
-    "dropout-tiled-3x50x40-S(1)P-mesh(2, 2)", "dropout-threefry-3x50x40-S(1)P-mesh(2, 2)",
-    "dropout-threefry-4x64x128-S(0)S(1)-mesh(2, 2)", "uniform-tiled-3x50x40-RS(2)-mesh(2, 2)",
-    "dropout_linear-rows-and-columns-mesh(2, 2)", "attention-tiled-S(0)S(1)-mesh(2, 2)",
+    "dropout-tiled-4x64x128-S(0)S(1)-mesh(2, 2)", "dropout-tiled-4x64x128-S(1)S(1)-mesh(2, 2)",
+    "dropout-tiled-4x64x128-RS(2)-mesh(2, 2)", "dropout-tiled-3x50x40-S(1)P-mesh(2, 2)",
+    "dropout-threefry-3x50x40-S(1)P-mesh(2, 2)", "dropout-threefry-4x64x128-S(0)S(1)-mesh(2, 2)",
+    "uniform-tiled-3x50x40-RS(2)-mesh(2, 2)", "dropout_linear-rows-and-columns-mesh(2, 2)",
     "indrnn-S(1)S(2)-lengths-mesh(2, 2)", "train_tensor_parallel-tp-sp-fsdp2-checkpointed-mesh(2, 2)"}}
+# The TorchTPU stack (torch 2.14), whose users shard with DTensors, runs FAST; the torch_xla
+# stack's users shard with SPMD, and there (torch 2.9) a run checks the ops and plans on two ranks
+# (the DTensor cases were a fifth of that suite's CPU time), the rest in the slow tier.
+ON_TORCH_XLA = {2: {
+    "dropout-tiled-3x50x40-S(1)-mesh(2,)", "dropout-threefry-4x64x128-P-mesh(2,)", "dropout_add-partial-mesh(2,)",
+    "sequence-parallel-converted-block-mesh(2,)", "colwise-parallel-converted-block-mesh(2,)",
+    "compiled-fullgraph-mesh(2,)", "dropout_linear-rows-mesh(2,)", "dropout_matmul-heads-uneven-mesh(2,)",
+    "attention-tiled-S(0)-mesh(2,)", "indrnn-S(1)-lengths-mesh(2,)"}, 4: set()}
+if STACK == "xla":
+    FAST = ON_TORCH_XLA
 assert all(FAST[world] <= set(CASES[world]) for world in CASES), [FAST[w] - set(CASES[w]) for w in CASES]
 
 
