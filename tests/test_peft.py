@@ -65,7 +65,7 @@ def step(model, fuse: bool):
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["routed", "converted"])
-# (Llama in float32, 25 s: the bfloat16 one is the same model, its adapters float32 too, slow)
+# (Llama in float32, 25 s, in the slow tier: the bfloat16 run is the same model, with PEFT's float32 adapters)
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow if name == "llama" else ())
                                   for name in MODELS])
 def test_lora_dropout_runs_in_lora_as_kernel_with_the_unfused_masks(name, converted):

@@ -67,11 +67,11 @@ def compiles(function, *args, generation):
 
 
 # The whole matrix is about 270 s of compiles per generation (TPU7x's took 2 of the torchax
-# suite's 11 minutes on 2 cores), so a suite compiles for every generation the representative subset below
+# suite's 11 minutes on 2 cores), so a suite compiles the representative subset below
 # (test_representative_configurations): each kernel family with both noise impls, a 16-bit and a
 # 32-bit dtype, shards and masks, each of its configurations for one generation in turn (every
-# family for every generation), and the tiled impl's configurations for every generation
-# (test_tiled_configurations). The whole matrix is the slow tier.
+# family for every generation), and the tiled impl's configurations (test_tiled_configurations,
+# TILED_FAST). The whole matrix is the slow tier.
 @pytest.fixture(params=[pytest.param(generation, marks=pytest.mark.slow) for generation in GENERATIONS])
 def generation(request):
     return request.param
