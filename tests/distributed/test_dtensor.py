@@ -190,15 +190,15 @@ FAST = {2: {
     "indrnn-S(1)S(2)-lengths-mesh(2, 2)", "train_tensor_parallel-tp-sp-fsdp2-checkpointed-mesh(2, 2)"}}
 # The TorchTPU stack (torch 2.14), whose users shard with DTensors, runs FAST; the torch_xla
 # stack's users shard with SPMD, and there (torch 2.9) a run checks the ops and plans on two ranks
-# (the DTensor cases were a fifth of that suite's CPU time), the rest in the slow tier.
-ON_TORCH_XLA = {2: {
+# (the DTensor cases were a fifth of that suite's CPU time): FAST_ON_TORCH_XLA, the rest in the slow tier.
+FAST_ON_TORCH_XLA = {2: {
     "dropout-tiled-3x50x40-S(1)-mesh(2,)", "dropout-threefry-4x64x128-P-mesh(2,)", "dropout_add-partial-mesh(2,)",
     "sequence-parallel-converted-block-mesh(2,)", "colwise-parallel-converted-block-mesh(2,)",
     "compiled-fullgraph-mesh(2,)", "dropout_linear-rows-mesh(2,)", "dropout_matmul-heads-uneven-mesh(2,)",
     "attention-tiled-S(0)-mesh(2,)", "indrnn-S(1)-lengths-mesh(2,)"}, 4: set()}
-if STACK == "xla":
-    FAST = ON_TORCH_XLA
-assert all(FAST[world] <= set(CASES[world]) for world in CASES), [FAST[w] - set(CASES[w]) for w in CASES]
+assert all(fast[world] <= set(CASES[world]) for fast in (FAST, FAST_ON_TORCH_XLA) for world in CASES), \
+    [fast[w] - set(CASES[w]) for fast in (FAST, FAST_ON_TORCH_XLA) for w in CASES]
+RUN_FAST = FAST_ON_TORCH_XLA if STACK == "xla" else FAST
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +230,9 @@ def outcomes(request):
     return everything
 
 
-@pytest.mark.parametrize("world,name", [pytest.param(world, name, marks=() if name in FAST[world] else pytest.mark.slow)
-                                        for world, cases in CASES.items() for name in cases])
+@pytest.mark.parametrize("world,name", [
+    pytest.param(world, name, marks=() if name in RUN_FAST[world] else pytest.mark.slow)
+    for world, cases in CASES.items() for name in cases])
 def test_a_dtensor_shard_draws_its_part_of_the_unsharded_noise(outcomes, world, name):
     failures = [f"rank {rank}: {failure}" for rank, failure in enumerate(outcomes[world][name]) if failure]
     assert not failures, "\n".join(failures)

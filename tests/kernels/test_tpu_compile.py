@@ -62,6 +62,10 @@ def elementwise_shapes(dtype, names=tuple(ELEMENTWISE_SHAPES)):
     return [ELEMENTWISE_SHAPES[name] for name in names if dtype != "float16" or name == FLOAT16_SHAPE]
 
 
+# libtpu 0.0.52, the newest (the torchax stack's), is the one that knows TPU7x; the xla stack's 0.0.21 does not.
+NEWEST_LIBTPU = "tpu7x" in GENERATIONS
+
+
 def compiles(function, *args, generation):
     assert compile_for_tpu(function, *args, generation=generation) is not None
 
@@ -339,7 +343,7 @@ DROPOUT_MATMUL_SHAPES = {"1024": (96, 1024, 1024, 64), "197": (24, 197, 197, 64)
 
 # The newest compiler compiles attention's configurations; libtpu 0.0.21 the hardware PRNG's in float32
 # (threefry's mask is the flash kernels', compiled there).
-DROPOUT_MATMUL_CONFIGURATIONS = ATTENTION_CONFIGURATIONS if "tpu7x" in GENERATIONS else [("hardware", "float32")]
+DROPOUT_MATMUL_CONFIGURATIONS = ATTENTION_CONFIGURATIONS if NEWEST_LIBTPU else [("hardware", "float32")]
 
 
 @pytest.mark.parametrize("impl,dtype", DROPOUT_MATMUL_CONFIGURATIONS)
@@ -522,14 +526,15 @@ TILED_CONFIGURATIONS = {
     "dropout_matmul-heads-in-lanes-197": lambda generation: _compiles_tiled_weights_in_lanes(generation, 2, 197),
 }
 TILED_ON_THE_NEWEST_ONLY = ("attention-heads-in-lanes-197", "dropout_matmul-heads-in-lanes-128")
-# With the newest libtpu (the one that knows TPU7x) each configuration for every generation; with
-# an older one (the xla stack's 0.0.21, whose compiles are the xla suite's longest) each for one
-# generation in turn, every generation compiling some: the newest libtpu compiles the same kernels
-# for every generation, and the rest is the slow tier.
+# With the newest libtpu each configuration for every generation; with libtpu 0.0.21 (whose
+# compiles are the xla suite's longest) each for one generation in turn, every generation
+# compiling some: the newest libtpu compiles the same kernels for every generation, and the rest
+# is the slow tier.
 TILED_FAST = ({(generation, kernel) for generation in GENERATIONS for kernel in TILED_CONFIGURATIONS
                if kernel not in TILED_ON_THE_NEWEST_ONLY or generation == list(GENERATIONS)[-1]}
-              if "tpu7x" in GENERATIONS else
-              {(list(GENERATIONS)[i % len(GENERATIONS)], kernel) for i, kernel in enumerate(TILED_CONFIGURATIONS)})
+              if NEWEST_LIBTPU else
+              {(generation, name.removeprefix("tiled-"))
+               for generation, name in _rotated({"tiled": TILED_CONFIGURATIONS}, list(GENERATIONS))})
 
 
 @pytest.mark.parametrize("generation,kernel", crossed(
