@@ -1,6 +1,6 @@
 """torch_pallas.sample_tokens on the xla stack: the kernel's tokens on XLA and CPU tensors, seeds as
 ints or 64-bit tensors, a row's token alone and in a batch, compiled (fullgraph, no recompile for
-new seeds and positions) equal to eager, bad input."""
+new seeds and positions) equal to eager, the log-probabilities the kernel's, bad input."""
 
 import numpy as np
 import pytest
@@ -86,6 +86,31 @@ def test_compiled_fullgraph_equals_eager_and_new_seeds_and_positions_do_not_reco
     assert not torch.equal(draws[0][0], draws[1][0]), "the same tokens for other seeds and positions"
 
 
+def test_logprobs_are_the_kernels_on_xla_and_cpu_tensors_eager_and_compiled():
+    values = logits()
+    words = np.array([[seed >> 32, seed & 0xFFFFFFFF] for seed in SEEDS], np.uint32).view(np.int32)
+    parameters = {name: np.full(BATCH, value, np.int32 if name == "top_k" else np.float32)
+                  for name, value in PARAMETERS.items()}
+    want = token_sampling_kernels.sample_tokens(values.numpy(), words, np.array(POSITIONS, np.uint32),
+                                                interpret=True, with_logprobs=True, **parameters)
+
+    def step(values, seeds, positions):
+        return torch_pallas.sample_tokens(values, seeds, positions, **PARAMETERS, return_logprobs=True)
+    seeds = torch.tensor([seed - 2**64 if seed >= 2**63 else seed for seed in SEEDS])
+    positions = torch.tensor(POSITIONS, dtype=torch.int64)
+    device = torch_xla.device()
+    compiled = torch.compile(step, backend="openxla", fullgraph=True)
+    for got in (step(values, SEEDS, POSITIONS), step(values.to(device), SEEDS, POSITIONS),
+                compiled(values.to(device), seeds.to(device), positions.to(device))):
+        assert isinstance(got, torch_pallas.token_sampling.SampledTokens)
+        assert got.tokens.dtype == torch.int64 and got.logprobs.dtype == got.raw_logprobs.dtype == torch.float32
+        assert got.tokens.cpu().tolist() == np.asarray(want[0]).tolist()
+        np.testing.assert_allclose(got.logprobs.cpu().numpy(), np.asarray(want[1]), atol=1e-6)
+        np.testing.assert_allclose(got.raw_logprobs.cpu().numpy(), np.asarray(want[2]), atol=1e-6)
+    assert torch.equal(step(values, SEEDS, POSITIONS).tokens, torch_pallas.sample_tokens(values, SEEDS, POSITIONS,
+                                                                                          **PARAMETERS))
+
+
 def test_inductor_compiles_cpu_tensors_fullgraph():
     values = logits()
     compiled = torch.compile(lambda v, s, p: torch_pallas.sample_tokens(v, s, p, **PARAMETERS), fullgraph=True)
@@ -96,6 +121,7 @@ def test_inductor_compiles_cpu_tensors_fullgraph():
 
 def test_an_empty_batch():
     assert torch_pallas.sample_tokens(torch.zeros(0, 10), [], []).shape == (0,)
+    assert [t.shape for t in torch_pallas.sample_tokens(torch.zeros(0, 10), [], [], return_logprobs=True)] == [(0,)] * 3
 
 
 @pytest.mark.parametrize("call,error,match", [
@@ -117,6 +143,8 @@ def test_an_empty_batch():
      r"top_p must be a number or have shape \(6,\)"),
     (lambda v: torch_pallas.sample_tokens(v, SEEDS, POSITIONS, top_k=torch.ones(6)), TypeError,
      "top_k must hold integers"),
+    (lambda v: torch_pallas.sample_tokens(v, SEEDS, POSITIONS, return_logprobs=1), TypeError,
+     "return_logprobs must be a bool"),
 ])
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):

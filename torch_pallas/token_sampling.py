@@ -4,7 +4,7 @@ transformers' ``generate``."""
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -15,6 +15,14 @@ from torch_pallas.ops import token_sampling as token_sampling_ops
 __all__ = ["sample_tokens", "SeededSampling"]
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class SampledTokens(NamedTuple):
+    """:func:`sample_tokens`' result with ``return_logprobs=True``."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    raw_logprobs: torch.Tensor
 _POSITION_BOUND = 2**32
 
 
@@ -94,7 +102,7 @@ def _per_row(value, name: str, batch: int, device: torch.device, *, integer: boo
 
 
 def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, top_k=None, top_p=None,
-                  min_p=None) -> torch.Tensor:
+                  min_p=None, return_logprobs: bool = False):
     r"""Samples one token per row of ``logits``, each a function of its row, its seed, its
     position and its parameters alone: the same token whatever the batch, the row's slot, the
     other rows, the kernel's vocabulary blocks and the stack, and again after a preemption.
@@ -122,6 +130,8 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
             reaches ``top_p`` (ties kept), in :math:`(0, 1]`; 1 or ``None``: all.
         min_p (float, Tensor or None): keep tokens whose probability is at least ``min_p``
             times the largest, in :math:`[0, 1]`; 0 or ``None``: all.
+        return_logprobs (bool): also return each drawn token's log-probability, under the
+            distribution it was drawn from and under the raw logits.
 
     A tensor parameter's values are not read on the host (that would wait for the device); in
     ``torch.compile``, pass seeds and positions (and parameters that change) as tensors, which
@@ -129,7 +139,13 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
 
     Returns:
         Tensor: int64 ``(B,)`` token ids on logits' device (torchax's int64, which is int32
-        where JAX runs without x64).
+        where JAX runs without x64). With ``return_logprobs=True``, a named tuple
+        ``(tokens, logprobs, raw_logprobs)``, the last two float32 ``(B,)``: ``logprobs`` under
+        ``softmax(logits / temperature)`` over the kept set (vLLM's ``processed_logprobs``; 0 for
+        a greedy row, which draws its token with probability 1) and ``raw_logprobs``,
+        ``log_softmax(logits)`` at the token (vLLM's ``raw_logprobs``). They are values, equal
+        across batches and devices to within float32 rounding; the tokens are equal bit for bit
+        (:func:`torch_pallas.kernels.token_sampling.token_logprobs`).
 
     Raises:
         TypeError: logits not a float tensor, seeds or positions not integers, a parameter of
@@ -142,7 +158,10 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     Example::
 
         >>> tokens = torch_pallas.sample_tokens(logits, seeds=[7, 8], positions=[0, 12], temperature=0.8, top_p=0.95)
+        >>> tokens, logprobs, raw_logprobs = torch_pallas.sample_tokens(logits, [7, 8], [0, 12], return_logprobs=True)
     """
+    if not isinstance(return_logprobs, bool):
+        raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__} {return_logprobs!r}")
     _checks.check_float_tensor(logits, "logits", _LOGITS_DTYPES)
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D, (batch, vocabulary), got shape {tuple(logits.shape)}")
@@ -161,9 +180,11 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
         top_k = torch.clamp(top_k, max=vocabulary)
     if logits.dtype == torch.float16:  # Mosaic has no float16: its values are float32's exactly
         logits = logits.float()
-    tokens = token_sampling_ops.sample_tokens(logits, seed_words, position_words, temperature, top_k,
-                                              top_p, min_p)
-    return tokens.to(torch.int64)
+    arguments = (logits, seed_words, position_words, temperature, top_k, top_p, min_p)
+    if return_logprobs:
+        tokens, logprobs, raw_logprobs = token_sampling_ops.sample_tokens_with_logprobs(*arguments)
+        return SampledTokens(tokens.to(torch.int64), logprobs, raw_logprobs)
+    return token_sampling_ops.sample_tokens(*arguments).to(torch.int64)
 
 
 class SeededSampling:

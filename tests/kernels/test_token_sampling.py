@@ -2,7 +2,7 @@
 from an independent Threefry-2x32-20 written from Random123, its noise ``jax.random.bits`` of that
 key, its kept set by the definitions computed in float64, its token the same whatever the batch,
 slot, padding rows and blocks (random configurations), its tokens distributed as the processed
-distribution (chi-square), greedy rows ``argmax``'s."""
+distribution (chi-square), greedy rows ``argmax``'s, their log-probabilities those of float64."""
 
 import functools
 
@@ -18,7 +18,8 @@ from torch_pallas.kernels import token_sampling
 # The seed mix's fixed key as docs/sampling.md states it.
 SEED_MIX = (0x9E3779B9, 0x243F6A88)
 
-sample = jax.jit(token_sampling.sample_tokens, static_argnames=("interpret", "block_rows", "block_vocabulary"))
+sample = jax.jit(token_sampling.sample_tokens,
+                 static_argnames=("interpret", "with_logprobs", "block_rows", "block_vocabulary"))
 keep_threshold = jax.jit(token_sampling.keep_threshold)
 
 
@@ -151,6 +152,31 @@ def test_a_rows_token_is_the_same_whatever_its_batch_slot_padding_and_blocks(tie
             assert tokens[slot] == alone[vocabulary, dtype, row], (vocabulary, dtype, batch, blocks, slot, row)
             checked += 1
     assert checked >= configurations
+
+
+def test_logprobs_are_the_drawn_tokens_under_the_processed_and_the_raw_distribution():
+    """Against float64: log softmax(logits / T) over the kept set (0 for greedy rows) and log
+    softmax(logits) at the token; equal across blocks to within float32 rounding."""
+    rows = random_rows(np.random.default_rng(5), 24, 300, greedy_share=0.2)
+    arguments = (rows["logits"], seed_words(rows["seeds"]), rows["positions"], rows["temperature"], rows["top_k"],
+                 rows["top_p"], rows["min_p"])
+    tokens, processed, raw = map(np.asarray, sample(*arguments, interpret=True, with_logprobs=True))
+    assert tokens.tolist() == call(rows).tolist()
+    for b in range(24):
+        logits, temperature = rows["logits"][b].astype(np.float64), float(rows["temperature"][b])
+        kept = kept_by_definition(rows["logits"][b], temperature, rows["top_k"][b], rows["top_p"][b], rows["min_p"][b])
+        assert kept[tokens[b]]
+        want_raw = logits[tokens[b]] - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        if temperature < 1e-5:
+            want_processed = 0.0
+        else:
+            scaled = np.where(kept, (logits - logits.max()) / temperature, -np.inf)
+            want_processed = scaled[tokens[b]] - np.log(np.exp(scaled).sum())
+        assert raw[b] == pytest.approx(want_raw, abs=1e-5) and processed[b] == pytest.approx(want_processed, abs=1e-5)
+    blocked = sample(*arguments, interpret=True, with_logprobs=True, block_rows=8, block_vocabulary=128)
+    assert np.asarray(blocked[0]).tolist() == tokens.tolist()
+    np.testing.assert_allclose(np.asarray(blocked[1]), processed, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(blocked[2]), raw, atol=1e-6)
 
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.5, -1.0, -3.0], np.float32)

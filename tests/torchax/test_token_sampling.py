@@ -1,5 +1,5 @@
-"""torch_pallas.sample_tokens on torchax's ``jax`` device: the kernel's tokens, as on CPU tensors,
-for seeds as ints and as CPU int64 tensors (torchax's own int64 tensors hold 32 bits: JAX runs
+"""torch_pallas.sample_tokens on torchax's ``jax`` device: the kernel's tokens (and log-probabilities),
+as on CPU tensors, for seeds as ints and as CPU int64 tensors (torchax's own int64 tensors hold 32 bits: JAX runs
 without x64)."""
 
 import pytest
@@ -25,3 +25,12 @@ def test_the_jax_device_draws_the_cpu_tensors_tokens(dtype):
         # (torchax's int64 is int32 without x64)
         assert got.device.type == "jax" and got.dtype == torch.zeros(1, dtype=torch.int64, device="jax").dtype
         assert got.cpu().tolist() == want.tolist()
+
+
+def test_the_jax_device_returns_the_cpu_tensors_logprobs():
+    values = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1)) * 3
+    want = torch_pallas.sample_tokens(values, SEEDS, POSITIONS, **PARAMETERS, return_logprobs=True)
+    got = torch_pallas.sample_tokens(values.to("jax"), SEEDS, POSITIONS, **PARAMETERS, return_logprobs=True)
+    assert got.tokens.cpu().tolist() == want.tokens.tolist()
+    torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.raw_logprobs.cpu(), want.raw_logprobs, rtol=0, atol=1e-6)

@@ -110,6 +110,12 @@ def test_sample_tokens_dispatches_its_op_and_its_kernel_reaches_torchtpu_as_a_ja
     check_on_tpu(tokens, (4,), torch.int64)
     words = torch.zeros(4, 2, dtype=torch.int32, device="tpu")
     rows = torch.zeros(4, dtype=torch.int32, device="tpu")
-    check_kernel_op(token_sampling._compute_sample_tokens,
-                    (logits, words, rows, torch.ones(4, device="tpu"), None, torch.full((4,), 0.9, device="tpu"),
-                     None), "_jax_sample_tokens", [((4,), torch.int32)])
+    arguments = (logits, words, rows, torch.ones(4, device="tpu"), None, torch.full((4,), 0.9, device="tpu"), None)
+    check_kernel_op(token_sampling._compute_sample_tokens, arguments, "_jax_sample_tokens", [((4,), torch.int32)])
+    check_kernel_op(token_sampling._compute_sample_tokens_with_logprobs, arguments, "_jax_sample_tokens",
+                    [((4,), torch.int32), ((4,), torch.float32), ((4,), torch.float32)])
+    sampled = check_dispatches(lambda: torch_pallas.sample_tokens(logits, [1, 2, 3, 4], [0, 1, 2, 3],
+                                                                   return_logprobs=True),
+                               "torch_pallas::sample_tokens_with_logprobs")
+    for tensor, dtype in zip(sampled, (torch.int64, torch.float32, torch.float32)):
+        check_on_tpu(tensor, (4,), dtype)

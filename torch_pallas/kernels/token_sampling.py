@@ -323,22 +323,60 @@ def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], thresh
     return tokens[:, 0], scores[:, 0]
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, threshold: jax.Array, *,
+                   vocabulary_offset=0, reduce=None) -> tuple[jax.Array, jax.Array]:
+    """float32 ``(B,)`` log-probabilities of the drawn ``tokens`` (int32 ``(B,)``, global indices:
+    column ``c`` of ``logits`` is entry ``vocabulary_offset + c``): ``(processed, raw)``.
+
+    - ``processed``: under the distribution the token was drawn from, ``softmax(logits / T)``
+      over the kept set (``threshold``: :func:`keep_threshold`); a greedy row's (``T < 1e-5``)
+      is 0, the log of the probability 1 with which it draws its token. vLLM's
+      ``processed_logprobs``, what an RL trainer's importance ratio needs.
+    - ``raw``: ``log_softmax(logits)`` at the token, before temperature and filters: vLLM's
+      ``raw_logprobs``.
+
+    Values, not decisions: computed with the device's ``exp`` and ``log`` and float sums in the
+    compiler's order, so equal across batches, blocks and devices to within float32 rounding,
+    not bit for bit (the tokens are). NaN logits count as ``-inf``; a row of ``-inf`` gets NaN,
+    as ``torch.log_softmax`` gives. ``reduce`` combines partials across vocabulary shards, as
+    :func:`keep_threshold`'s.
+    """
+    reduce = reduce or (lambda kind, x: x)
+    logits = logits.astype(jnp.float32)
+    logits = jnp.where(logits == logits, logits, -jnp.inf)
+    largest = reduce("max", jnp.max(logits, axis=-1))
+    columns = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + vocabulary_offset
+    drawn = reduce("max", jnp.max(jnp.where(columns == tokens[:, None], logits, -jnp.inf), axis=-1)) - largest
+    shifted = logits - largest[:, None]
+    raw = drawn - jnp.log(reduce("sum", jnp.sum(jnp.exp(shifted), axis=-1)))
+    greedy = temperature < GREEDY_BELOW
+    scale = np.float32(1.0) / jnp.where(greedy, np.float32(1.0), temperature)
+    kept = ordered_key(logits) >= threshold[:, None]
+    total = reduce("sum", jnp.sum(jnp.where(kept, jnp.exp(shifted * scale[:, None]), np.float32(0.0)), axis=-1))
+    processed = jnp.where(greedy, np.float32(0.0), drawn * scale - jnp.log(total))
+    return processed, raw
+
+
 def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
                   top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
-                  *, interpret: bool, block_rows: int | None = None,
-                  block_vocabulary: int | None = None) -> jax.Array:
+                  *, interpret: bool, with_logprobs: bool = False, block_rows: int | None = None,
+                  block_vocabulary: int | None = None):
     """int32 ``(B,)`` token ids sampled from ``logits`` (``(B, V)`` float32 or bfloat16), one per
     row, by the contract of this module: row ``b``'s token depends on its logits, its seed's
     words ``seed_words[b]`` (int32 ``(B, 2)``: high, low), ``positions[b]`` (int32) and its
     parameters (``(B,)`` arrays: ``temperature`` float32, 0 greedy; ``top_k`` int32, 0 none;
     ``top_p`` float32, 1 none; ``min_p`` float32, 0 none; ``None``: none for every row) alone.
+    ``with_logprobs``: ``(tokens, processed, raw)``, with the tokens' log-probabilities
+    (:func:`token_logprobs`).
 
     The pure-JAX entry point: arguments are not checked here (the torch op checks them).
     """
     temperature = temperature.astype(jnp.float32)
     threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
     # A greedy row's score is its logit: ties at the largest go to the lowest index, not to noise.
-    temperature = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
-    tokens, _ = gumbel_max(logits, row_key_words(seed_words, positions), threshold, temperature,
+    noise_scale = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
+    tokens, _ = gumbel_max(logits, row_key_words(seed_words, positions), threshold, noise_scale,
                            interpret=interpret, block_rows=block_rows, block_vocabulary=block_vocabulary)
-    return tokens
+    if not with_logprobs:
+        return tokens
+    return (tokens, *token_logprobs(logits, tokens, temperature, threshold))
