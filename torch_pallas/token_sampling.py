@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_pallas import _checks, seeds as seed_module
+from torch_pallas import _checks, seeds as seed_module, sharding
 from torch_pallas.kernels import token_sampling as token_sampling_kernels
 from torch_pallas.ops import token_sampling as token_sampling_ops
 
@@ -137,6 +137,13 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     ``torch.compile``, pass seeds and positions (and parameters that change) as tensors, which
     do not recompile, where Python numbers become constants of the graph.
 
+    Sharded logits (torch_xla SPMD, torchax arrays on a mesh; a tensor-parallel ``lm_head``'s
+    split along the vocabulary, the batch's split too) are sampled where they lie: each device
+    runs the kernel on its shard, with its columns' noise, and the rows' thresholds and best
+    tokens are reductions across the shards, with no gather of the logits; the tokens are the
+    unsharded call's. In eager mode, where the sharding is known; compiled, the kernel runs on
+    the whole logits (:ref:`sharded tensors <sharding-limits>`).
+
     Returns:
         Tensor: int64 ``(B,)`` token ids on logits' device (torchax's int64, which is int32
         where JAX runs without x64). With ``return_logprobs=True``, a named tuple
@@ -168,6 +175,9 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     batch, vocabulary = logits.shape
     if not 0 < vocabulary < token_sampling_kernels.MAX_VOCABULARY:
         raise ValueError(f"logits' vocabulary (dim 1) must be in [1, 2**20), got {vocabulary}")
+    # Eager only (sharding.resolve): compiled, the kernel runs on the whole logits.
+    logits_sharding = sharding.resolve(logits)
+    sharding_text = None if logits_sharding is None else logits_sharding.check(tuple(logits.shape), "logits")
     device = logits.device
     seed_words = _words(seeds, "seeds", batch, device, seed_module.SEED_BOUND, words=2)
     position_words = _words(positions, "positions", batch, device, _POSITION_BOUND, words=1)[:, 0]
@@ -180,7 +190,7 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
         top_k = torch.clamp(top_k, max=vocabulary)
     if logits.dtype == torch.float16:  # Mosaic has no float16: its values are float32's exactly
         logits = logits.float()
-    arguments = (logits, seed_words, position_words, temperature, top_k, top_p, min_p)
+    arguments = (logits, seed_words, position_words, temperature, top_k, top_p, min_p, sharding_text)
     if return_logprobs:
         tokens, logprobs, raw_logprobs = token_sampling_ops.sample_tokens_with_logprobs(*arguments)
         return SampledTokens(tokens.to(torch.int64), logprobs, raw_logprobs)

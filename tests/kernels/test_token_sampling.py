@@ -179,6 +179,29 @@ def test_logprobs_are_the_drawn_tokens_under_the_processed_and_the_raw_distribut
     np.testing.assert_allclose(np.asarray(blocked[2]), raw, atol=1e-6)
 
 
+@pytest.mark.parametrize("shards", [2, 5])
+def test_vocabulary_parallel_shards_sample_the_whole_rows_tokens(shards):
+    """Each shard of the vocabulary (its columns, their offset, reductions across the shards:
+    ``jax.vmap`` with an axis name stands in for ``jax.shard_map``'s devices) returns the whole
+    rows' tokens, and their log-probabilities to within float32 rounding."""
+    rows = random_rows(np.random.default_rng(6), 16, 1000, greedy_share=0.2)
+    rows["logits"][:4] = np.round(rows["logits"][:4])  # ties across shards
+    parameters = (seed_words(rows["seeds"]), rows["positions"], rows["temperature"], rows["top_k"], rows["top_p"],
+                  rows["min_p"])
+    tokens, processed, raw = map(np.asarray, sample(rows["logits"], *parameters, interpret=True, with_logprobs=True))
+    width = 1000 // shards
+    columns = jnp.asarray(rows["logits"].reshape(16, shards, width).transpose(1, 0, 2))
+
+    def on_shard(logits, offset):
+        return token_sampling.sample_tokens(logits, *parameters, interpret=True, with_logprobs=True,
+                                            vocabulary_offset=offset, reduce=token_sampling.across("vocabulary"))
+    got = jax.jit(jax.vmap(on_shard, axis_name="vocabulary"))(columns, jnp.arange(shards, dtype=jnp.int32) * width)
+    for shard in range(shards):
+        assert np.asarray(got[0][shard]).tolist() == tokens.tolist()
+        np.testing.assert_allclose(np.asarray(got[1][shard]), processed, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[2][shard]), raw, atol=1e-5)
+
+
 LOGITS = np.array([2.0, 1.0, 0.5, 0.5, -1.0, -3.0], np.float32)
 DRAWS = 100_000
 # (temperature, top_k, top_p, min_p): each parameter alone and all of them together.

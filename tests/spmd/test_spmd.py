@@ -201,6 +201,30 @@ def test_indrnn_batch_first_and_time_split():
         torch_pallas.indrnn(sharded(torch.randn(8, 4, 256), mesh, ("data", None, None)), torch.ones(256, device=DEVICE))
 
 
+SAMPLING_CASES = [("1x4", (None, "model")), ("2x2", ("data", "model"))]
+
+
+@pytest.mark.parametrize("mesh,spec", SAMPLING_CASES, ids=[f"{m}-{s}" for m, s in SAMPLING_CASES])
+def test_sampled_tokens_of_sharded_logits_are_the_unsharded_ones_without_gathering_them(mesh, spec):
+    """A tensor-parallel lm_head's logits (split along the vocabulary), and the batch split too:
+    the kernel runs on each shard, and the tokens are the unsharded call's."""
+    values = torch.randn(8, 1000, generator=torch.Generator().manual_seed(3)) * 3
+    values[:2] = values[:2].round()  # ties across shards
+    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
+                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
+                     min_p=0.01, return_logprobs=True)
+    expected = torch_pallas.sample_tokens(values.to(DEVICE), **arguments)
+    logits = sharded(values, mesh_of(mesh), spec)
+    got = torch_pallas.sample_tokens(logits, **arguments)
+    assert "SPMDFullToShardShape" in torch_xla._XLAC._get_xla_tensors_hlo([got.tokens])
+    modules = compiled_modules(lambda: torch_xla.sync())
+    assert got.tokens.cpu().tolist() == expected.tokens.cpu().tolist()
+    torch.testing.assert_close(got.logprobs.cpu(), expected.logprobs.cpu(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.raw_logprobs.cpu(), expected.raw_logprobs.cpu(), rtol=0, atol=1e-5)
+    # Per-row partials and the shards' best tokens only: (8, shards) at most, never logits.
+    assert modules and all(size <= 8 * 4 for size in all_gather_sizes(modules)), all_gather_sizes(modules)
+
+
 def test_errors_name_what_is_not_supported():
     mesh = mesh_of("2x2")
     with pytest.raises(ValueError, match="does not divide 15"):

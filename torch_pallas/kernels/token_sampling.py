@@ -281,14 +281,31 @@ def default_blocks(batch: int, vocabulary: int, interpret: bool) -> tuple[int, i
     return min(tiling.SUBLANES, batch), min(tiling.round_up(vocabulary, tiling.LANES), _TPU_BLOCK_VOCABULARY)
 
 
-def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], threshold: jax.Array,
-               temperature: jax.Array, *, interpret: bool, vocabulary_offset=0, block_rows: int | None = None,
-               block_vocabulary: int | None = None) -> tuple[jax.Array, jax.Array]:
+def sampling_rows(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
+                  *, reduce=None) -> jax.Array:
+    """int32 ``(B, 4)``: each row's key words (:func:`row_key_words`), kept set's threshold
+    (:func:`keep_threshold`, whose ``reduce`` this passes on) and noise scale (its temperature, 0
+    for a greedy row), as :func:`gumbel_max` reads them, each word's bits as int32."""
+    temperature = temperature.astype(jnp.float32)
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p, reduce=reduce)
+    # A greedy row's score is its logit: ties at the largest go to the lowest index, not to noise.
+    noise_scale = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
+    words = (*row_key_words(seed_words, positions), threshold, noise_scale)
+    return jnp.stack([lax.bitcast_convert_type(word, jnp.int32) for word in words], axis=1)
+
+
+def threshold_of(rows: jax.Array) -> jax.Array:
+    """The uint32 thresholds of :func:`sampling_rows`' rows."""
+    return lax.bitcast_convert_type(rows[:, 2], jnp.uint32)
+
+
+def gumbel_max(logits: jax.Array, rows: jax.Array, *, interpret: bool, vocabulary_offset=0,
+               block_rows: int | None = None, block_vocabulary: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Step 4 of the contract in one Pallas kernel over (row, vocabulary) blocks: int32 ``(B,)``
     tokens (global indices: the logits' column ``c`` is entry ``vocabulary_offset + c``) and their
-    float32 scores, for rows keyed by ``key_words`` (uint32 ``(B,)`` pairs), kept sets by
-    ``threshold`` (:func:`keep_threshold`) and temperatures ``temperature``. The blocks
-    (``block_rows``, ``block_vocabulary``; default per platform) change nothing."""
+    float32 scores, for the rows :func:`sampling_rows` describes. The blocks (``block_rows``,
+    ``block_vocabulary``; default per platform) change nothing."""
     batch, vocabulary = logits.shape
     default_rows, default_vocabulary = default_blocks(batch, vocabulary, interpret)
     block_rows = min(block_rows or default_rows, batch)
@@ -298,10 +315,6 @@ def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], thresh
     if block_vocabulary != vocabulary and block_vocabulary % tiling.LANES:
         raise ValueError(f"block_vocabulary must be a multiple of {tiling.LANES} or the vocabulary, got "
                          f"{block_vocabulary}")
-    rows = jnp.stack([lax.bitcast_convert_type(key_words[0], jnp.int32),
-                      lax.bitcast_convert_type(key_words[1], jnp.int32),
-                      lax.bitcast_convert_type(threshold, jnp.int32),
-                      lax.bitcast_convert_type(temperature.astype(jnp.float32), jnp.int32)], axis=1)
     offset = jnp.asarray(vocabulary_offset, jnp.int32).reshape(1)
     grid = (pl.cdiv(batch, block_rows), pl.cdiv(vocabulary, block_vocabulary))
     kernel = functools.partial(_gumbel_max_kernel, vocabulary=vocabulary, block_vocabulary=block_vocabulary)
@@ -321,6 +334,41 @@ def gumbel_max(logits: jax.Array, key_words: tuple[jax.Array, jax.Array], thresh
         interpret=interpret)
     tokens, scores = call(offset, rows, logits)
     return tokens[:, 0], scores[:, 0]
+
+
+def gumbel_max_of_shard(rows: jax.Array, logits: jax.Array, *, shard_offset: jax.Array, global_shape,
+                        shared_over_first_dim: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """:func:`gumbel_max` on one device's shard of logits, as :func:`torch_pallas.bridge.call_sharded`
+    runs a noise kernel with ``shared_over_first_dim``: ``shard_offset`` holds the high and low
+    words of the shard's first column's index in the vocabulary (``global_shape``, the whole
+    logits' shape, is not needed beyond it). int32 and float32 ``(B, 1)``: the shard's best token
+    and score, which :func:`best_of_shards` combines along the vocabulary."""
+    del global_shape, shared_over_first_dim
+    tokens, scores = gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=shard_offset[1])
+    return tokens[:, None], scores[:, None]
+
+
+def along_last_axis(kind: str, x: jax.Array) -> jax.Array:
+    """A ``reduce`` (as :func:`best_of_shards` takes one) of partials laid side by side along the
+    last axis, one column per vocabulary shard; the axis is kept, of size 1, so that the result
+    and the partials broadcast together."""
+    return {"max": jnp.max, "min": jnp.min, "sum": jnp.sum}[kind](x, axis=-1, keepdims=True)
+
+
+def across(axis_name):
+    """A ``reduce`` (as :func:`keep_threshold` takes one) across the devices of the mesh axis
+    ``axis_name`` that splits the vocabulary, inside ``jax.shard_map`` (or ``jax.vmap`` with
+    that ``axis_name``)."""
+    collectives = {"max": lax.pmax, "min": lax.pmin, "sum": lax.psum}
+    return lambda kind, x: collectives[kind](x, axis_name)
+
+
+def best_of_shards(tokens: jax.Array, scores: jax.Array, reduce) -> jax.Array:
+    """The token of the largest score among the vocabulary shards' (``tokens`` and ``scores``,
+    their :func:`gumbel_max` results, combined by ``reduce``), the lowest of those tied: the
+    token :func:`gumbel_max` gives the whole row, whose blocks fold in the same way."""
+    best = reduce("max", scores)
+    return reduce("min", jnp.where(scores == best, tokens, np.int32(np.iinfo(np.int32).max)))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, threshold: jax.Array, *,
@@ -359,8 +407,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array,
 
 def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
                   top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
-                  *, interpret: bool, with_logprobs: bool = False, block_rows: int | None = None,
-                  block_vocabulary: int | None = None):
+                  *, interpret: bool, with_logprobs: bool = False, vocabulary_offset=0, reduce=None,
+                  block_rows: int | None = None, block_vocabulary: int | None = None):
     """int32 ``(B,)`` token ids sampled from ``logits`` (``(B, V)`` float32 or bfloat16), one per
     row, by the contract of this module: row ``b``'s token depends on its logits, its seed's
     words ``seed_words[b]`` (int32 ``(B, 2)``: high, low), ``positions[b]`` (int32) and its
@@ -369,14 +417,20 @@ def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array
     ``with_logprobs``: ``(tokens, processed, raw)``, with the tokens' log-probabilities
     (:func:`token_logprobs`).
 
+    Vocabulary-parallel logits (a tensor-parallel ``lm_head``'s, in ``jax.shard_map``): give each
+    device its shard's columns, their first column's index in the vocabulary
+    (``vocabulary_offset``) and ``reduce=across(axis_name)`` for the mesh axis splitting them; every
+    device then returns the tokens of the whole rows, with no gather of the logits (a reduction of
+    a few ``(B,)`` partials per threshold step, and one of the shards' best tokens).
+
     The pure-JAX entry point: arguments are not checked here (the torch op checks them).
     """
-    temperature = temperature.astype(jnp.float32)
-    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
-    # A greedy row's score is its logit: ties at the largest go to the lowest index, not to noise.
-    noise_scale = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
-    tokens, _ = gumbel_max(logits, row_key_words(seed_words, positions), threshold, noise_scale,
-                           interpret=interpret, block_rows=block_rows, block_vocabulary=block_vocabulary)
+    rows = sampling_rows(logits, seed_words, positions, temperature, top_k, top_p, min_p, reduce=reduce)
+    tokens, scores = gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=vocabulary_offset,
+                                block_rows=block_rows, block_vocabulary=block_vocabulary)
+    if reduce is not None:
+        tokens = best_of_shards(tokens, scores, reduce)
     if not with_logprobs:
         return tokens
-    return (tokens, *token_logprobs(logits, tokens, temperature, threshold))
+    return (tokens, *token_logprobs(logits, tokens, temperature.astype(jnp.float32), threshold_of(rows),
+                                    vocabulary_offset=vocabulary_offset, reduce=reduce))

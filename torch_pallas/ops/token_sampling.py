@@ -21,32 +21,72 @@ def _jax_sample_tokens(logits, seed_words, positions, temperature, *given, prese
                                                 with_logprobs=with_logprobs, **parameters)
 
 
-def _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, *, with_logprobs: bool):
+def _jax_sampling_rows(logits, seed_words, positions, temperature, *given, present, interpret):
+    del interpret  # no kernel: XLA's partitioner splits these reductions along the logits' sharding
+    return token_sampling_kernels.sampling_rows(logits, seed_words, positions, temperature,
+                                                **dict(zip(present, given)))
+
+
+def _jax_best_of_shards(tokens, scores, *, interpret):
+    del interpret
+    return token_sampling_kernels.best_of_shards(tokens, scores, token_sampling_kernels.along_last_axis)[:, 0]
+
+
+def _jax_token_logprobs(logits, tokens, temperature, rows, *, interpret):
+    del interpret
+    return token_sampling_kernels.token_logprobs(logits, tokens, temperature,
+                                                 token_sampling_kernels.threshold_of(rows))
+
+
+def _sample_sharded(logits, seed_words, positions, temperature, given: dict, sharding_text: str, with_logprobs: bool):
+    """The sampler on logits sharded as ``sharding_text`` says (the vocabulary, the batch or
+    both split), with no gather of them: the thresholds' reductions as XLA partitions them (exact:
+    maxima and integer sums), the Gumbel-max kernel on each device's shard (the noise of its
+    columns' indices in the whole vocabulary), and each row's best of its shards' tokens."""
+    rows = bridge.call(_jax_sampling_rows, logits, seed_words, positions, temperature, *given.values(),
+                       present=tuple(given))
+    dims = (0, 1)
+    tokens, scores = bridge.call_sharded(token_sampling_kernels.gumbel_max_of_shard, sharding_text, [rows, logits],
+                                         [(0, None), dims], [dims, dims], noise_shape=tuple(logits.shape),
+                                         shared_over_first_dim=True)
+    tokens = bridge.call(_jax_best_of_shards, tokens, scores)
+    if not with_logprobs:
+        return tokens
+    return (tokens, *bridge.call(_jax_token_logprobs, logits, tokens, temperature, rows))
+
+
+def _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, sharding_text, *, with_logprobs: bool):
     given = {name: value for name, value in zip(OPTIONAL_PARAMETERS, (top_k, top_p, min_p)) if value is not None}
     if logits.shape[0] == 0:
         tokens = torch.empty((0,), dtype=torch.int32, device=logits.device)
         empty = torch.empty((0,), dtype=torch.float32, device=logits.device)
         return (tokens, empty, empty.clone()) if with_logprobs else tokens
+    if sharding_text is not None:
+        return _sample_sharded(logits, seed_words, positions, temperature, given, sharding_text, with_logprobs)
     return bridge.call(_jax_sample_tokens, logits, seed_words, positions, temperature, *given.values(),
                        present=tuple(given), with_logprobs=with_logprobs)
 
 
 def _compute_sample_tokens(logits: torch.Tensor, seed_words: torch.Tensor, positions: torch.Tensor,
                            temperature: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                           min_p: Optional[torch.Tensor]) -> torch.Tensor:
+                           min_p: Optional[torch.Tensor], sharding_text: Optional[str] = None) -> torch.Tensor:
     """int32 ``(B,)`` tokens; arguments pre-checked and on logits' device: int32 ``(B, 2)``
     seed words, int32 ``(B,)`` positions, float32 ``(B,)`` temperature, top_p and min_p, int32
-    ``(B,)`` top_k (``None``: that parameter off for every row)."""
-    return _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, with_logprobs=False)
+    ``(B,)`` top_k (``None``: that parameter off for every row). ``sharding_text`` (the text of
+    the logits' :class:`~torch_pallas.sharding.Sharding`): the kernel runs on each device's
+    shard (:func:`_sample_sharded`)."""
+    return _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, sharding_text,
+                   with_logprobs=False)
 
 
 def _compute_sample_tokens_with_logprobs(
         logits: torch.Tensor, seed_words: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
-        top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-        min_p: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor],
+        sharding_text: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sample_tokens``' tokens and their float32 ``(B,)`` processed and raw log-probabilities
     (:func:`torch_pallas.kernels.token_sampling.token_logprobs`)."""
-    return _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, with_logprobs=True)
+    return _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, sharding_text,
+                   with_logprobs=True)
 
 
 sample_tokens_op = torch.library.custom_op("torch_pallas::sample_tokens", _compute_sample_tokens, mutates_args=())

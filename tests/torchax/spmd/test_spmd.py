@@ -171,6 +171,37 @@ def test_indrnn_sharded_equals_unsharded(mesh, spec):
                                    err_msg=name)
 
 
+SAMPLING_CASES = [("1x4", (None, "model")), ("4x1", ("data", None)), ("2x2", ("data", "model"))]
+
+
+@pytest.mark.parametrize("mesh,spec", SAMPLING_CASES, ids=[f"{m}-{s}" for m, s in SAMPLING_CASES])
+def test_sampled_tokens_of_sharded_logits_are_the_unsharded_ones_without_gathering_them(mesh, spec):
+    """A tensor-parallel lm_head's logits (split along the vocabulary), a batch split, both:
+    the kernel runs on each shard, and the tokens are the unsharded call's."""
+    values = torch.randn(8, 1000, generator=torch.Generator().manual_seed(3)) * 3
+    values[:2] = values[:2].round()  # ties across shards
+    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
+                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
+                     min_p=0.01, return_logprobs=True)
+    with ENV:
+        expected = torch_pallas.sample_tokens(on_jax(values), **arguments)
+    logits = on_jax(values, mesh_of(mesh), spec)
+    got = []
+
+    def run():
+        with ENV:
+            got.append(torch_pallas.sample_tokens(logits, **arguments))
+    modules = compiled_modules(run)
+    tokens, logprobs, raw_logprobs = got[0]
+    assert np.asarray(array(tokens)).tolist() == np.asarray(array(expected.tokens)).tolist()
+    np.testing.assert_allclose(np.asarray(array(logprobs)), np.asarray(array(expected.logprobs)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(array(raw_logprobs)), np.asarray(array(expected.raw_logprobs)), atol=1e-5)
+    tiles = [MESHES[mesh][("data", "model").index(axis)] if axis else 1 for axis in spec]
+    assert runs_per_shard(modules, [8 // tiles[0], 1000 // tiles[1]])
+    # Per-row partials and the shards' best tokens only: (8, shards) at most, never logits.
+    assert all(size <= 8 * 4 for size in hlo_dump.all_gather_sizes(modules)), hlo_dump.all_gather_sizes(modules)
+
+
 def test_errors_name_what_is_not_supported():
     mesh = mesh_of("2x2")
     with ENV:
