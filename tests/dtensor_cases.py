@@ -243,7 +243,7 @@ def worker(rank: int, world: int, store_path: str, cases: dict, results) -> None
                       "gpt": run_gpt_case, "attention": run_attention_case,
                       "indrnn": run_indrnn_case, "IndRNN": run_indrnn_module_case,
                       "seeding": run_seeding_case, "dropout_linear": run_product_case,
-                      "dropout_matmul": run_product_case}.get(case["op"], run_case)
+                      "dropout_matmul": run_product_case, "sample_tokens": run_sampling_case}.get(case["op"], run_case)
             try:
                 runner(case, meshes[mesh_shape, names])
                 outcome[name] = None
@@ -376,6 +376,35 @@ def run_indrnn_module_case(case: dict, mesh) -> None:
     assert_block(sharded[1].grad, whole_inputs[1].grad, mesh, state, "hx's gradient", exact=False)
     for (name, got), want in zip(sharded_module.named_parameters(), whole_module.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-4, msg=lambda message: f"{name}: {message}")
+
+
+def run_sampling_case(case: dict, mesh) -> None:
+    """sample_tokens of DTensor logits: each rank samples its rows from its columns, with
+    collectives for the reductions across the vocabulary; the tokens are the unsharded call's bit
+    for bit, placed as the rows are, the log-probabilities within float32 rounding; a Partial sum
+    is refused before any collective."""
+    import pytest
+    import torch_pallas
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    values = torch.randn(case["shape"], generator=torch.Generator().manual_seed(SEED)) * 3
+    values[:2] = values[:2].round()  # ties, across shards too
+    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
+                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
+                     min_p=0.01, return_logprobs=True)
+    logits = distributed(values, mesh, case["placements"])
+    if any(isinstance(placement, Partial) for placement in case["placements"]):
+        with pytest.raises(ValueError, match="Partial"):
+            torch_pallas.sample_tokens(logits, **arguments)
+        return
+    whole = torch_pallas.sample_tokens(values, **arguments)
+    got = torch_pallas.sample_tokens(logits, **arguments)
+    rows = [Shard(0) if placement == Shard(0) else Replicate() for placement in case["placements"]]
+    assert_block(got.tokens, whole.tokens, mesh, rows, "tokens")
+    assert_block(got.logprobs, whole.logprobs, mesh, rows, "logprobs", exact=False)
+    assert_block(got.raw_logprobs, whole.raw_logprobs, mesh, rows, "raw logprobs", exact=False)
+    tokens = torch_pallas.sample_tokens(logits, **dict(arguments, return_logprobs=False))
+    assert_block(tokens, whole.tokens, mesh, rows, "tokens without logprobs")
 
 
 def run_seeding_case(case: dict, mesh) -> None:

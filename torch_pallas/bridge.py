@@ -383,7 +383,8 @@ def check_device(tensor: torch.Tensor, name: str, *, dtensors: bool = False) -> 
     if is_dtensor(tensor) and not dtensors:
         raise TypeError(
             f"{name} is a DTensor, which this torch_pallas op does not take yet (dropout, its channel variants, "
-            f"dropout_add, dropout_linear, dropout_matmul, attention, indrnn and random.* with device_mesh= do, "
+            f"dropout_add, dropout_linear, dropout_matmul, attention, indrnn, sample_tokens and random.* with "
+            f"device_mesh= do, "
             f"each shard drawing its part of the whole tensor's noise): pass {name}.full_tensor() "
             f"for the whole tensor, or {name}.to_local() with a seed of each rank's own for per-shard noise "
             f"(docs/sharding.md)")

@@ -47,8 +47,8 @@ if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 __all__ = ["check_layout", "check_placements", "flat_offset", "linear_of_shards", "linear_placements", "local_block",
-           "map_channels", "map_noise_blocks", "on_local_shards", "placements_match", "replicated", "row_runs",
-           "sample_on_mesh", "shardwise"]
+           "map_channels", "map_noise_blocks", "on_local_shards", "placed_rows", "placements_match", "replicated",
+           "row_runs", "rows_and_vocabulary", "sample_on_mesh", "shardwise"]
 
 
 def check_placements(x, name: str = "x") -> None:
@@ -338,6 +338,42 @@ def sample_on_mesh(shape: Sequence[int], mesh, placements, sample_block: Callabl
     like = DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=torch.Size(shape), stride=strides)
     return map_noise_blocks(like, (), lambda block, **where: sample_block(tuple(block.shape), **where), impl=impl,
                             name="the sample")
+
+
+def rows_and_vocabulary(logits) -> tuple[slice, int, tuple, tuple]:
+    """How this rank holds DTensor ``logits`` ``(B, V)``, placed ``Shard(0)`` (the batch),
+    ``Shard(1)`` or ``Shard(-1)`` (the vocabulary: a tensor-parallel ``lm_head``'s) and
+    ``Replicate`` on its mesh: its block's rows (a slice of the batch), its first column's index
+    in the vocabulary, the process groups of the mesh dims that split the vocabulary, and the
+    placements of a ``(B,)`` result (``Shard(0)`` where the rows are split, else ``Replicate``).
+
+    Raises:
+        ValueError: a ``Partial`` or another placement (the logits must be summed first), or a
+            split that leaves some rank no columns (raised on every rank alike, before any
+            collective).
+    """
+    mesh, placements, shape = logits.device_mesh, tuple(logits.placements), tuple(logits.shape)
+    for placement in placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(f"logits is a DTensor placed {placement} on its mesh; sample_tokens takes Shard(0), "
+                             f"Shard(-1) and Replicate placements: redistribute it first "
+                             f"(logits.redistribute(mesh, placements), a Partial sum to Replicate())")
+    everyone = itertools.product(*[range(mesh.size(dim)) for dim in range(mesh.ndim)])
+    if any(_block_at(shape, mesh, placements, coordinate)[0][1] == 0 for coordinate in everyone):
+        raise ValueError(f"logits of shape {shape} placed {placements} leave some rank no vocabulary columns; "
+                         f"split the vocabulary over fewer ranks")
+    block, offset = local_block(shape, mesh, placements)
+    splits = [isinstance(placement, Shard) and placement.dim % 2 == dim for placement in placements
+              for dim in (0, 1)]
+    groups = tuple(mesh.get_group(mesh_dim) for mesh_dim in range(mesh.ndim) if splits[2 * mesh_dim + 1])
+    rows = tuple(Shard(0) if splits[2 * mesh_dim] else Replicate() for mesh_dim in range(mesh.ndim))
+    return slice(offset[0], offset[0] + block[0]), offset[1], groups, rows
+
+
+def placed_rows(local: torch.Tensor, logits, placements) -> torch.Tensor:
+    """The ``(B,)`` DTensor of this rank's rows ``local`` of a result for DTensor ``logits``
+    (``placements``: :func:`rows_and_vocabulary`'s)."""
+    return _placed(local, logits.device_mesh, placements, (logits.shape[0],))
 
 
 def map_channels(x, scale: torch.Tensor):

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from torch_pallas import _checks, seeds as seed_module, sharding
+from torch_pallas import _checks, bridge, dtensors, seeds as seed_module, sharding
 from torch_pallas.kernels import token_sampling as token_sampling_kernels
 from torch_pallas.ops import token_sampling as token_sampling_ops
 
@@ -142,7 +142,9 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     runs the kernel on its shard, with its columns' noise, and the rows' thresholds and best
     tokens are reductions across the shards, with no gather of the logits; the tokens are the
     unsharded call's. In eager mode, where the sharding is known; compiled, the kernel runs on
-    the whole logits (:ref:`sharded tensors <sharding-limits>`).
+    the whole logits (:ref:`sharded tensors <sharding-limits>`). DTensor logits (placed
+    ``Shard(-1)``, ``Shard(0)`` or ``Replicate``) are sampled on each rank's block, with
+    collectives for the reductions, and give ``(B,)`` DTensors placed as their rows.
 
     Returns:
         Tensor: int64 ``(B,)`` token ids on logits' device (torchax's int64, which is int32
@@ -160,7 +162,8 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
         ValueError: logits not 2-D or their vocabulary too large, seeds, positions or a
             parameter tensor not of shape ``(B,)``, a seed or position out of range,
             ``temperature < 0``, ``top_k < 0``, ``top_p`` outside :math:`(0, 1]`, ``min_p``
-            outside :math:`[0, 1]`.
+            outside :math:`[0, 1]`, sharded logits that do not split evenly (SPMD) or a
+            ``Partial`` DTensor.
 
     Example::
 
@@ -169,15 +172,20 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     """
     if not isinstance(return_logprobs, bool):
         raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__} {return_logprobs!r}")
-    _checks.check_float_tensor(logits, "logits", _LOGITS_DTYPES)
+    _checks.check_float_tensor(logits, "logits", _LOGITS_DTYPES, dtensors=True)
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D, (batch, vocabulary), got shape {tuple(logits.shape)}")
     batch, vocabulary = logits.shape
     if not 0 < vocabulary < token_sampling_kernels.MAX_VOCABULARY:
         raise ValueError(f"logits' vocabulary (dim 1) must be in [1, 2**20), got {vocabulary}")
-    # Eager only (sharding.resolve): compiled, the kernel runs on the whole logits.
-    logits_sharding = sharding.resolve(logits)
-    sharding_text = None if logits_sharding is None else logits_sharding.check(tuple(logits.shape), "logits")
+    on_ranks = bridge.is_dtensor(logits)
+    if on_ranks:
+        layout = dtensors.rows_and_vocabulary(logits)
+        sharding_text = None
+    else:
+        # Eager only (sharding.resolve): compiled, the kernel runs on the whole logits.
+        logits_sharding = sharding.resolve(logits)
+        sharding_text = None if logits_sharding is None else logits_sharding.check(tuple(logits.shape), "logits")
     device = logits.device
     seed_words = _words(seeds, "seeds", batch, device, seed_module.SEED_BOUND, words=2)
     position_words = _words(positions, "positions", batch, device, _POSITION_BOUND, words=1)[:, 0]
@@ -190,11 +198,36 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
         top_k = torch.clamp(top_k, max=vocabulary)
     if logits.dtype == torch.float16:  # Mosaic has no float16: its values are float32's exactly
         logits = logits.float()
+    if on_ranks:
+        return _sample_on_ranks(logits, (seed_words, position_words, temperature, top_k, top_p, min_p), layout,
+                                return_logprobs)
     arguments = (logits, seed_words, position_words, temperature, top_k, top_p, min_p, sharding_text)
     if return_logprobs:
         tokens, logprobs, raw_logprobs = token_sampling_ops.sample_tokens_with_logprobs(*arguments)
         return SampledTokens(tokens.to(torch.int64), logprobs, raw_logprobs)
     return token_sampling_ops.sample_tokens(*arguments).to(torch.int64)
+
+
+# Its steps are calls and collectives of their own, which dynamo cannot trace: a compiled region
+# breaks its graph here (fullgraph=True: dynamo names this function as skipped).
+@torch.compiler.disable
+def _sample_on_ranks(logits, per_row: tuple, layout: tuple, return_logprobs: bool):
+    """:func:`sample_tokens` of DTensor ``logits``: each rank samples its block's rows from its
+    columns (:func:`torch_pallas.ops.token_sampling.sample_local_shard`), the results placed
+    as the rows are (``layout``: :func:`torch_pallas.dtensors.rows_and_vocabulary`'s)."""
+    rows, vocabulary_offset, groups, placements = layout
+    local = logits.to_local()
+    per_row = [None if value is None else value[rows] for value in per_row]
+    if local.shape[0] == 0:
+        results = (local.new_empty((0,), dtype=torch.int32),) + (local.new_empty((0,), dtype=torch.float32),) * 2
+    else:
+        results = token_sampling_ops.sample_local_shard(local, *per_row, groups=groups,
+                                                        vocabulary_offset=vocabulary_offset,
+                                                        with_logprobs=return_logprobs)
+        results = results if return_logprobs else (results,)
+    tokens, *logprobs = [dtensors.placed_rows(result, logits, placements) for result in results]
+    tokens = tokens.to(torch.int64)
+    return SampledTokens(tokens, *logprobs) if return_logprobs else tokens
 
 
 class SeededSampling:

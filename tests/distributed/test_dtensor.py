@@ -1,6 +1,6 @@
 """docs/sharding.md, DTensors: torch_pallas's ops take ``torch.distributed`` DTensors (dropout and
 its channel variants, dropout_add, dropout_linear, dropout_matmul, random.* with device_mesh=,
-attention, indrnn, nn.IndRNN), each rank drawing its shard's part of the whole tensor's noise: sharded
+attention, indrnn, nn.IndRNN, sample_tokens), each rank drawing its shard's part of the whole tensor's noise: sharded
 equals unsharded, bit for bit where the same kernels run (tolerances are named in the cases), on
 2 and 4 real processes (gloo, CPU tensors), each group in processes of its own
 (tests/dtensor_cases.py runs the cases); and examples/train_tensor_parallel.py's and
@@ -155,6 +155,14 @@ for checkpointed in (False, True):
 CASES[4]["train_gpt2_tensor_parallel-transformers-gpt2-tp-sp-fsdp2-mesh(2, 2)"] = dict(
     op="gpt", mesh=(2, 2), mesh_dim_names=("dp", "tp"), gpt2=True)
 
+# sample_tokens: a tensor-parallel lm_head's logits (the vocabulary split, unevenly too), the batch
+# split, both, the vocabulary over two mesh dims, replicated; a Partial sum refused.
+for world, mesh, placements, vocabulary in ((2, (2,), [Shard(1)], 999), (2, (2,), [Shard(0)], 1000),
+                                            (2, (2,), [Replicate()], 1000), (2, (2,), [Partial()], 1000),
+                                            (4, (2, 2), [Shard(0), Shard(1)], 1000),
+                                            (4, (2, 2), [Shard(1), Shard(1)], 1000)):
+    CASES[world][f"sample_tokens-{named(placements)}-V{vocabulary}-mesh{mesh}"] = dict(
+        op="sample_tokens", shape=(8, vocabulary), placements=placements, mesh=mesh)
 
 # The cases every run checks: each op, placement kind (split, uneven and empty shards, replicated,
 # partial, two mesh dims), impl and client once. A group's time is its processes' kernel compiles (a
@@ -178,7 +186,8 @@ FAST = {2: {
     "dropout_matmul-heads-uneven-mesh(2,)", "dropout_matmul-replicated-value-threefry-unfused-mesh(2,)",
     "dropout_matmul-rows-tiled-refused-mesh(2,)", "attention-tiled-S(0)-mesh(2,)",
     "attention-threefry-gqa-S(1)-mesh(2,)", "attention-learned-bias-split-with-the-heads-mesh(2,)",
-    "indrnn-S(1)-lengths-mesh(2,)", "nn.IndRNN-batch-mesh(2,)", "accelerate-set_seed-device_specific-mesh(2,)"},
+    "indrnn-S(1)-lengths-mesh(2,)", "nn.IndRNN-batch-mesh(2,)", "accelerate-set_seed-device_specific-mesh(2,)",
+    "sample_tokens-S(1)-V999-mesh(2,)", "sample_tokens-S(0)-V1000-mesh(2,)", "sample_tokens-P-V1000-mesh(2,)"},
     4: {
     "dropout-tiled-3x50x40-S(0)-mesh(4,)", "dropout-tiled-3x50x40-S(1)-mesh(4,)", "dropout-tiled-3x50x40-P-mesh(4,)",
     "generator-key-seeded-alike-mesh(4,)", "routed-F.dropout-mesh(4,)", "converted-nn.Dropout-mesh(4,)",
@@ -187,7 +196,8 @@ FAST = {2: {
     "dropout-tiled-4x64x128-RS(2)-mesh(2, 2)", "dropout-tiled-3x50x40-S(1)P-mesh(2, 2)",
     "dropout-threefry-3x50x40-S(1)P-mesh(2, 2)", "dropout-threefry-4x64x128-S(0)S(1)-mesh(2, 2)",
     "uniform-tiled-3x50x40-RS(2)-mesh(2, 2)", "dropout_linear-rows-and-columns-mesh(2, 2)",
-    "indrnn-S(1)S(2)-lengths-mesh(2, 2)", "train_tensor_parallel-tp-sp-fsdp2-checkpointed-mesh(2, 2)"}}
+    "indrnn-S(1)S(2)-lengths-mesh(2, 2)", "train_tensor_parallel-tp-sp-fsdp2-checkpointed-mesh(2, 2)",
+    "sample_tokens-S(0)S(1)-V1000-mesh(2, 2)"}}
 # The TorchTPU stack (torch 2.14), whose users shard with DTensors, runs FAST; the torch_xla
 # stack's users shard with SPMD, and there (torch 2.9) a run checks the ops and plans on two ranks
 # (the DTensor cases were a fifth of that suite's CPU time): FAST_ON_TORCH_XLA, the rest in the slow tier.
@@ -195,7 +205,7 @@ FAST_ON_TORCH_XLA = {2: {
     "dropout-tiled-3x50x40-S(1)-mesh(2,)", "dropout-threefry-4x64x128-P-mesh(2,)", "dropout_add-partial-mesh(2,)",
     "sequence-parallel-converted-block-mesh(2,)", "colwise-parallel-converted-block-mesh(2,)",
     "compiled-fullgraph-mesh(2,)", "dropout_linear-rows-mesh(2,)", "dropout_matmul-heads-uneven-mesh(2,)",
-    "attention-tiled-S(0)-mesh(2,)", "indrnn-S(1)-lengths-mesh(2,)"}, 4: set()}
+    "attention-tiled-S(0)-mesh(2,)", "indrnn-S(1)-lengths-mesh(2,)", "sample_tokens-S(1)-V999-mesh(2,)"}, 4: set()}
 assert all(fast[world] <= set(CASES[world]) for fast in (FAST, FAST_ON_TORCH_XLA) for world in CASES), \
     [fast[w] - set(CASES[w]) for fast in (FAST, FAST_ON_TORCH_XLA) for w in CASES]
 RUN_FAST = FAST_ON_TORCH_XLA if STACK == "xla" else FAST

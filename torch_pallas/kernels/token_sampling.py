@@ -153,6 +153,26 @@ def _bisect(predicate, shape) -> jax.Array:
     return lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))
 
 
+def _with_bit(t: jax.Array, *, bit: int) -> jax.Array:
+    return t | np.uint32(1 << (31 - bit))
+
+
+def _chosen(candidate, t, *reduced_and_rows, holds):
+    return jnp.where(holds(*reduced_and_rows), candidate, t)
+
+
+def bisect_in_steps(steps, partial, kind: str, holds, shard_arguments: tuple, row_arguments: tuple):
+    """:class:`InTrace`'s ``bisect`` search (:func:`_bisect`'s) for an executor whose steps are calls
+    of their own: the 32 candidates' partials reduced one after another."""
+    t = steps.apply(_no_threshold, row_arguments[0])
+    for bit in range(32):
+        candidate = steps.apply(_with_bit, t, bit=bit)
+        reduced = steps.reduce(kind, steps.apply(partial, *shard_arguments, candidate))
+        reduced = reduced if isinstance(reduced, tuple) else (reduced,)
+        t = steps.apply(_chosen, candidate, t, *reduced, *row_arguments, holds=holds)
+    return t
+
+
 def _mass_words(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
     """uint32 ``(high, low)`` words of masses in [0, 1] quantised to 2**-MASS_BITS."""
     quantised = lax.convert_element_type(jnp.floor(masses * np.float32(2.0**MASS_BITS)), jnp.int32)
@@ -167,8 +187,136 @@ def _as_float(high: jax.Array, low: jax.Array) -> jax.Array:
         low, jnp.float32)
 
 
+class InTrace:
+    """Runs the sampler's steps in the caller's JAX trace, their per-row partials combined across
+    vocabulary shards by ``reduce`` (``reduce(kind, x)``, kind ``"max"``, ``"min"`` or ``"sum"``;
+    ``None``: the logits are whole rows). :func:`across` gives the one of a ``shard_map`` axis.
+
+    :func:`keep_threshold`, :func:`token_logprobs` and :func:`best_of_shards` are written against
+    this interface, which an executor of shards that cannot share a trace also implements (each
+    step a call of its own on each rank's shard, the reductions collectives between them:
+    ``torch_pallas.ops.token_sampling.AcrossRanks``, for DTensors):
+
+    - ``apply(function, *arrays, **static)``: ``function`` (a module-level JAX function) of a
+      shard's logits and per-row arrays;
+    - ``reduce(kind, partial)``: a partial, or a tuple of them, combined across the shards;
+    - ``bisect(partial, kind, holds, shard_arguments, row_arguments)``: the largest uint32 ``t``
+      per row at which ``holds(*reduced, *row_arguments)`` is true, ``reduced`` the reduction of
+      ``partial(*shard_arguments, t)`` (:func:`_bisect`'s search; :func:`bisect_in_steps`, one
+      step after another).
+    """
+
+    def __init__(self, reduce=None):
+        self._reduce = reduce
+
+    def apply(self, function, *arrays, **static):
+        return function(*arrays, **static)
+
+    def reduce(self, kind: str, partial):
+        if self._reduce is None:
+            return partial
+        if isinstance(partial, tuple):
+            return tuple(self._reduce(kind, x) for x in partial)
+        return self._reduce(kind, partial)
+
+    def bisect(self, partial, kind: str, holds, shard_arguments: tuple, row_arguments: tuple) -> jax.Array:
+        def predicate(t):
+            reduced = self.reduce(kind, partial(*shard_arguments, t))
+            return holds(*(reduced if isinstance(reduced, tuple) else (reduced,)), *row_arguments)
+        return _bisect(predicate, row_arguments[0].shape)
+
+
+def _clean(logits: jax.Array) -> jax.Array:
+    """float32 logits, NaN as ``-inf`` (never drawn)."""
+    logits = logits.astype(jnp.float32)
+    return jnp.where(logits == logits, logits, -jnp.inf)
+
+
+def _greedy(temperature: jax.Array) -> jax.Array:
+    return temperature < GREEDY_BELOW
+
+
+def _masses(logits: jax.Array, largest: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``exp((logit - max) / T)`` (:func:`portable_exp`; 1 for the largest), ``T`` 1 for greedy rows."""
+    scale = _reciprocal(jnp.where(_greedy(temperature), np.float32(1.0), temperature))
+    # -inf - -inf is NaN in a row of -inf alone: its one kept token is then index 0 whatever this is.
+    return portable_exp((_clean(logits) - largest[:, None]) * scale[:, None])
+
+
+# The steps of keep_threshold: arrays of a shard's logits, their per-row partials ("*_partial"), and
+# per-row functions of the partials' reductions.
+
+def _keys(logits: jax.Array) -> jax.Array:
+    return ordered_key(_clean(logits))
+
+
+def _largest_partial(logits: jax.Array) -> jax.Array:
+    return jnp.max(_clean(logits), axis=-1)
+
+
+def _no_threshold(largest: jax.Array) -> jax.Array:
+    return jnp.zeros(largest.shape, jnp.uint32)
+
+
+def _min_p_partial(keys, masses, min_p):
+    return jnp.min(jnp.where(masses >= min_p[:, None], keys, np.uint32(0xFFFFFFFF)), axis=-1)
+
+
+def _count_at_least_partial(keys, t):
+    return jnp.sum(keys >= t[:, None], axis=-1, dtype=jnp.int32)
+
+
+def _holds_top_k(count, top_k):
+    return count >= top_k
+
+
+def _kept_mass_words(keys, masses, threshold):
+    return _mass_words(jnp.where(keys >= threshold[:, None], masses, np.float32(0.0)))
+
+
+def _kept_mass_partial(high, low):
+    return jnp.sum(high, axis=-1), jnp.sum(low, axis=-1)
+
+
+def _mass_above_partial(keys, high, low, t):
+    above = keys > t[:, None]
+    return (jnp.sum(jnp.where(above, high, 0), axis=-1, dtype=jnp.uint32),
+            jnp.sum(jnp.where(above, low, 0), axis=-1, dtype=jnp.uint32))
+
+
+def _top_p_bound(high, low, top_p):
+    return top_p * _as_float(high, low)
+
+
+def _holds_top_p_above(high, low, bound):
+    return _as_float(high, low) >= bound
+
+
+def _raised(threshold, candidate, on):
+    return jnp.maximum(threshold, jnp.where(on, candidate, np.uint32(0)))
+
+
+def _raised_by_min_p(threshold, least, min_p):
+    return _raised(threshold, least, min_p > 0)
+
+
+def _raised_by_top_k(threshold, kth, top_k):
+    return _raised(threshold, kth, top_k > 0)
+
+
+def _raised_by_top_p(threshold, last, top_p):
+    # The last key with at least top_p above it; the threshold is the next (everything above it
+    # holds less). At t = 0 the mass above is the whole (top_p <= 1).
+    nucleus = jnp.where(last == np.uint32(0xFFFFFFFF), last, last + np.uint32(1))
+    return _raised(threshold, nucleus, top_p < 1)
+
+
+def _or_greedy(threshold, largest, temperature):
+    return jnp.where(_greedy(temperature), ordered_key(largest), threshold)
+
+
 def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=None, min_p=None,
-                   reduce=None) -> jax.Array:
+                   steps: InTrace | None = None) -> jax.Array:
     """uint32 ``(B,)`` threshold of each row's kept set: a token is kept where its
     :func:`ordered_key` is at least it. Step 3 of the contract:
 
@@ -186,47 +334,30 @@ def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=
       ``top_p``, ties kept: transformers' and vLLM's rule (sort ascending, drop where the
       cumulative probability is at most ``1 - top_p``), but for the order they give ties.
 
-    ``reduce`` (``reduce(kind, x)``, kind ``"max"``, ``"min"`` or ``"sum"`` of a per-row partial) combines
-    partials across vocabulary shards: exact for the maxima and the integer counts and sums, so
-    a sharded row decides as the whole row.
+    ``steps`` (:class:`InTrace`: default, whole rows) runs the steps on vocabulary shards and
+    combines their partials: exact for the maxima and the integer counts and sums, so a sharded
+    row decides as the whole row.
     """
-    reduce = reduce or (lambda kind, x: x)
-    logits = logits.astype(jnp.float32)
-    logits = jnp.where(logits == logits, logits, -jnp.inf)  # NaN: never drawn
-    keys = ordered_key(logits)
-    largest = reduce("max", jnp.max(logits, axis=-1))
-    greedy = temperature < GREEDY_BELOW
-    threshold = jnp.zeros(largest.shape, jnp.uint32)
+    steps = steps or InTrace()
+    largest = steps.reduce("max", steps.apply(_largest_partial, logits))
+    threshold = steps.apply(_no_threshold, largest)
     if min_p is None and top_k is None and top_p is None:
-        return jnp.where(greedy, ordered_key(largest), threshold)
-    scale = _reciprocal(jnp.where(greedy, np.float32(1.0), temperature))
-    # -inf - -inf is NaN in a row of -inf alone: its one kept token is then index 0 whatever this is.
-    masses = portable_exp((logits - largest[:, None]) * scale[:, None])
+        return steps.apply(_or_greedy, threshold, largest, temperature)
+    keys = steps.apply(_keys, logits)
+    masses = steps.apply(_masses, logits, largest, temperature)
     if min_p is not None:
-        least = jnp.min(jnp.where(masses >= min_p[:, None], keys, np.uint32(0xFFFFFFFF)), axis=-1)
-        threshold = jnp.maximum(threshold, jnp.where(min_p > 0, reduce("min", least), np.uint32(0)))
+        least = steps.reduce("min", steps.apply(_min_p_partial, keys, masses, min_p))
+        threshold = steps.apply(_raised_by_min_p, threshold, least, min_p)
     if top_k is not None:
-        def at_least_k(t):
-            return reduce("sum", jnp.sum(keys >= t[:, None], axis=-1, dtype=jnp.int32)) >= top_k
-        kth = _bisect(at_least_k, largest.shape)
-        threshold = jnp.maximum(threshold, jnp.where(top_k > 0, kth, np.uint32(0)))
+        kth = steps.bisect(_count_at_least_partial, "sum", _holds_top_k, (keys,), (top_k,))
+        threshold = steps.apply(_raised_by_top_k, threshold, kth, top_k)
     if top_p is not None:
-        kept = keys >= threshold[:, None]
-        high, low = _mass_words(jnp.where(kept, masses, np.float32(0.0)))
-        total = _as_float(reduce("sum", jnp.sum(high, axis=-1)), reduce("sum", jnp.sum(low, axis=-1)))
-        bound = top_p * total
-
-        def holds_top_p_above(t):
-            above = keys > t[:, None]
-            mass = _as_float(reduce("sum", jnp.sum(jnp.where(above, high, 0), axis=-1, dtype=jnp.uint32)),
-                             reduce("sum", jnp.sum(jnp.where(above, low, 0), axis=-1, dtype=jnp.uint32)))
-            return mass >= bound
-        # The last key with at least top_p above it; the threshold is the next (everything above it
-        # holds less). At t = 0 the mass above is the whole (top_p <= 1).
-        last = _bisect(holds_top_p_above, largest.shape)
-        nucleus = jnp.where(last == np.uint32(0xFFFFFFFF), last, last + np.uint32(1))
-        threshold = jnp.maximum(threshold, jnp.where(top_p < 1, nucleus, np.uint32(0)))
-    return jnp.where(greedy, ordered_key(largest), threshold)
+        high, low = steps.apply(_kept_mass_words, keys, masses, threshold)
+        total = steps.reduce("sum", steps.apply(_kept_mass_partial, high, low))
+        bound = steps.apply(_top_p_bound, *total, top_p)
+        last = steps.bisect(_mass_above_partial, "sum", _holds_top_p_above, (keys, high, low), (bound,))
+        threshold = steps.apply(_raised_by_top_p, threshold, last, top_p)
+    return steps.apply(_or_greedy, threshold, largest, temperature)
 
 
 def _gumbel_max_kernel(offset_ref, rows_ref, logits_ref, token_ref, score_ref, *, vocabulary: int,
@@ -281,18 +412,23 @@ def default_blocks(batch: int, vocabulary: int, interpret: bool) -> tuple[int, i
     return min(tiling.SUBLANES, batch), min(tiling.round_up(vocabulary, tiling.LANES), _TPU_BLOCK_VOCABULARY)
 
 
-def sampling_rows(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
-                  top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
-                  *, reduce=None) -> jax.Array:
-    """int32 ``(B, 4)``: each row's key words (:func:`row_key_words`), kept set's threshold
-    (:func:`keep_threshold`, whose ``reduce`` this passes on) and noise scale (its temperature, 0
-    for a greedy row), as :func:`gumbel_max` reads them, each word's bits as int32."""
-    temperature = temperature.astype(jnp.float32)
-    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p, reduce=reduce)
+def _rows_of(seed_words, positions, temperature, threshold):
     # A greedy row's score is its logit: ties at the largest go to the lowest index, not to noise.
-    noise_scale = jnp.where(temperature < GREEDY_BELOW, np.float32(0.0), temperature)
+    noise_scale = jnp.where(_greedy(temperature), np.float32(0.0), temperature)
     words = (*row_key_words(seed_words, positions), threshold, noise_scale)
     return jnp.stack([lax.bitcast_convert_type(word, jnp.int32) for word in words], axis=1)
+
+
+def sampling_rows(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
+                  *, steps: InTrace | None = None) -> jax.Array:
+    """int32 ``(B, 4)``: each row's key words (:func:`row_key_words`), kept set's threshold
+    (:func:`keep_threshold`, whose ``steps`` this passes on) and noise scale (its temperature, 0
+    for a greedy row), as :func:`gumbel_max` reads them, each word's bits as int32. ``temperature``
+    is float32."""
+    steps = steps or InTrace()
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p, steps=steps)
+    return steps.apply(_rows_of, seed_words, positions, temperature, threshold)
 
 
 def threshold_of(rows: jax.Array) -> jax.Array:
@@ -349,30 +485,62 @@ def gumbel_max_of_shard(rows: jax.Array, logits: jax.Array, *, shard_offset: jax
 
 
 def along_last_axis(kind: str, x: jax.Array) -> jax.Array:
-    """A ``reduce`` (as :func:`best_of_shards` takes one) of partials laid side by side along the
+    """A ``reduce`` (as :class:`InTrace` takes one) of partials laid side by side along the
     last axis, one column per vocabulary shard; the axis is kept, of size 1, so that the result
     and the partials broadcast together."""
     return {"max": jnp.max, "min": jnp.min, "sum": jnp.sum}[kind](x, axis=-1, keepdims=True)
 
 
 def across(axis_name):
-    """A ``reduce`` (as :func:`keep_threshold` takes one) across the devices of the mesh axis
+    """A ``reduce`` (as :class:`InTrace` takes one) across the devices of the mesh axis
     ``axis_name`` that splits the vocabulary, inside ``jax.shard_map`` (or ``jax.vmap`` with
     that ``axis_name``)."""
     collectives = {"max": lax.pmax, "min": lax.pmin, "sum": lax.psum}
     return lambda kind, x: collectives[kind](x, axis_name)
 
 
-def best_of_shards(tokens: jax.Array, scores: jax.Array, reduce) -> jax.Array:
+def _tied_tokens(tokens, scores, best):
+    return jnp.where(scores == best, tokens, np.int32(np.iinfo(np.int32).max))
+
+
+def best_of_shards(tokens: jax.Array, scores: jax.Array, steps: InTrace) -> jax.Array:
     """The token of the largest score among the vocabulary shards' (``tokens`` and ``scores``,
-    their :func:`gumbel_max` results, combined by ``reduce``), the lowest of those tied: the
-    token :func:`gumbel_max` gives the whole row, whose blocks fold in the same way."""
-    best = reduce("max", scores)
-    return reduce("min", jnp.where(scores == best, tokens, np.int32(np.iinfo(np.int32).max)))
+    their :func:`gumbel_max` results, combined as ``steps`` combines partials), the lowest of
+    those tied: the token :func:`gumbel_max` gives the whole row, whose blocks fold in the same way."""
+    best = steps.reduce("max", scores)
+    return steps.reduce("min", steps.apply(_tied_tokens, tokens, scores, best))
+
+
+def _drawn_partial(logits, tokens, *, vocabulary_offset):
+    columns = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + vocabulary_offset
+    return jnp.max(jnp.where(columns == tokens[:, None], _clean(logits), -jnp.inf), axis=-1)
+
+
+def _exp_sum_partial(logits, largest):
+    return jnp.sum(jnp.exp(_clean(logits) - largest[:, None]), axis=-1)
+
+
+def _logprob_scale(temperature):
+    return np.float32(1.0) / jnp.where(_greedy(temperature), np.float32(1.0), temperature)
+
+
+def _kept_exp_sum_partial(logits, largest, temperature, threshold):
+    logits = _clean(logits)
+    kept = ordered_key(logits) >= threshold[:, None]
+    shifted = (logits - largest[:, None]) * _logprob_scale(temperature)[:, None]
+    return jnp.sum(jnp.where(kept, jnp.exp(shifted), np.float32(0.0)), axis=-1)
+
+
+def _logprobs_of(drawn, largest, exp_sum, kept_exp_sum, temperature):
+    drawn = drawn - largest
+    raw = drawn - jnp.log(exp_sum)
+    processed = jnp.where(_greedy(temperature), np.float32(0.0),
+                          drawn * _logprob_scale(temperature) - jnp.log(kept_exp_sum))
+    return processed, raw
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, threshold: jax.Array, *,
-                   vocabulary_offset=0, reduce=None) -> tuple[jax.Array, jax.Array]:
+                   vocabulary_offset=0, steps: InTrace | None = None) -> tuple[jax.Array, jax.Array]:
     """float32 ``(B,)`` log-probabilities of the drawn ``tokens`` (int32 ``(B,)``, global indices:
     column ``c`` of ``logits`` is entry ``vocabulary_offset + c``): ``(processed, raw)``.
 
@@ -386,23 +554,15 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array,
     Values, not decisions: computed with the device's ``exp`` and ``log`` and float sums in the
     compiler's order, so equal across batches, blocks and devices to within float32 rounding,
     not bit for bit (the tokens are). NaN logits count as ``-inf``; a row of ``-inf`` gets NaN,
-    as ``torch.log_softmax`` gives. ``reduce`` combines partials across vocabulary shards, as
-    :func:`keep_threshold`'s.
+    as ``torch.log_softmax`` gives. ``steps`` combines partials across vocabulary shards, as
+    :func:`keep_threshold`'s. ``temperature`` is float32.
     """
-    reduce = reduce or (lambda kind, x: x)
-    logits = logits.astype(jnp.float32)
-    logits = jnp.where(logits == logits, logits, -jnp.inf)
-    largest = reduce("max", jnp.max(logits, axis=-1))
-    columns = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + vocabulary_offset
-    drawn = reduce("max", jnp.max(jnp.where(columns == tokens[:, None], logits, -jnp.inf), axis=-1)) - largest
-    shifted = logits - largest[:, None]
-    raw = drawn - jnp.log(reduce("sum", jnp.sum(jnp.exp(shifted), axis=-1)))
-    greedy = temperature < GREEDY_BELOW
-    scale = np.float32(1.0) / jnp.where(greedy, np.float32(1.0), temperature)
-    kept = ordered_key(logits) >= threshold[:, None]
-    total = reduce("sum", jnp.sum(jnp.where(kept, jnp.exp(shifted * scale[:, None]), np.float32(0.0)), axis=-1))
-    processed = jnp.where(greedy, np.float32(0.0), drawn * scale - jnp.log(total))
-    return processed, raw
+    steps = steps or InTrace()
+    largest = steps.reduce("max", steps.apply(_largest_partial, logits))
+    drawn = steps.reduce("max", steps.apply(_drawn_partial, logits, tokens, vocabulary_offset=vocabulary_offset))
+    exp_sum = steps.reduce("sum", steps.apply(_exp_sum_partial, logits, largest))
+    kept_exp_sum = steps.reduce("sum", steps.apply(_kept_exp_sum_partial, logits, largest, temperature, threshold))
+    return steps.apply(_logprobs_of, drawn, largest, exp_sum, kept_exp_sum, temperature)
 
 
 def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
@@ -425,12 +585,14 @@ def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array
 
     The pure-JAX entry point: arguments are not checked here (the torch op checks them).
     """
-    rows = sampling_rows(logits, seed_words, positions, temperature, top_k, top_p, min_p, reduce=reduce)
+    steps = InTrace(reduce)
+    temperature = temperature.astype(jnp.float32)
+    rows = sampling_rows(logits, seed_words, positions, temperature, top_k, top_p, min_p, steps=steps)
     tokens, scores = gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=vocabulary_offset,
                                 block_rows=block_rows, block_vocabulary=block_vocabulary)
     if reduce is not None:
-        tokens = best_of_shards(tokens, scores, reduce)
+        tokens = best_of_shards(tokens, scores, steps)
     if not with_logprobs:
         return tokens
-    return (tokens, *token_logprobs(logits, tokens, temperature.astype(jnp.float32), threshold_of(rows),
-                                    vocabulary_offset=vocabulary_offset, reduce=reduce))
+    return (tokens, *token_logprobs(logits, tokens, temperature, threshold_of(rows),
+                                    vocabulary_offset=vocabulary_offset, steps=steps))

@@ -29,7 +29,8 @@ def _jax_sampling_rows(logits, seed_words, positions, temperature, *given, prese
 
 def _jax_best_of_shards(tokens, scores, *, interpret):
     del interpret
-    return token_sampling_kernels.best_of_shards(tokens, scores, token_sampling_kernels.along_last_axis)[:, 0]
+    along_shards = token_sampling_kernels.InTrace(token_sampling_kernels.along_last_axis)
+    return token_sampling_kernels.best_of_shards(tokens, scores, along_shards)[:, 0]
 
 
 def _jax_token_logprobs(logits, tokens, temperature, rows, *, interpret):
@@ -87,6 +88,65 @@ def _compute_sample_tokens_with_logprobs(
     (:func:`torch_pallas.kernels.token_sampling.token_logprobs`)."""
     return _sample(logits, seed_words, positions, temperature, top_k, top_p, min_p, sharding_text,
                    with_logprobs=True)
+
+
+def _jax_step(*arrays, step, interpret, **static):
+    del interpret  # the steps are plain JAX; the Gumbel-max kernel runs through _jax_gumbel_max
+    return step(*arrays, **static)
+
+
+def _jax_gumbel_max(rows, logits, *, vocabulary_offset: int, interpret):
+    return token_sampling_kernels.gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=vocabulary_offset)
+
+
+_COLLECTIVES = {"max": "MAX", "min": "MIN", "sum": "SUM"}
+
+
+class AcrossRanks:
+    """:class:`torch_pallas.kernels.token_sampling.InTrace`'s interface on a DTensor's local
+    shard of logits: each step a call of its own on this rank's tensors, the partials all-reduced
+    over ``groups`` (the process groups of the mesh dims that split the vocabulary; none: the
+    rank holds whole rows). Every rank of a group runs the same steps, so their collectives pair
+    up. Integer partials are reduced in int64, which holds the uint32 keys and sums exactly."""
+
+    def __init__(self, groups):
+        self.groups = tuple(groups)
+
+    def apply(self, function, *tensors, **static):
+        return bridge.call(_jax_step, *tensors, step=function, **static)
+
+    def reduce(self, kind: str, partial):
+        if isinstance(partial, tuple):
+            return tuple(self.reduce(kind, x) for x in partial)
+        if not self.groups:
+            return partial
+        # A copy: all_reduce writes in place, and the partial (a shard's scores) is read again.
+        wide = partial.to(torch.float32 if partial.dtype.is_floating_point else torch.int64, copy=True)
+        for group in self.groups:
+            torch.distributed.all_reduce(wide, op=getattr(torch.distributed.ReduceOp, _COLLECTIVES[kind]), group=group)
+        return wide.to(partial.dtype)
+
+    def bisect(self, partial, kind, holds, shard_arguments, row_arguments):
+        return token_sampling_kernels.bisect_in_steps(self, partial, kind, holds, shard_arguments, row_arguments)
+
+
+def sample_local_shard(logits, seed_words, positions, temperature, top_k, top_p, min_p, *, groups,
+                       vocabulary_offset: int, with_logprobs: bool):
+    """The sampler on one rank's block of a DTensor of logits (its rows' arguments as
+    :func:`_compute_sample_tokens` takes them; its first column is entry ``vocabulary_offset`` of
+    the vocabulary, split over ``groups``): the whole rows' tokens (and log-probabilities), as
+    the unsharded call gives them, the reductions across ranks by :class:`AcrossRanks`.
+    Runs eagerly: each step is a call and each reduction a collective of its own."""
+    steps = AcrossRanks(groups)
+    rows = token_sampling_kernels.sampling_rows(logits, seed_words, positions, temperature, top_k, top_p, min_p,
+                                                steps=steps)
+    tokens, scores = bridge.call(_jax_gumbel_max, rows, logits, vocabulary_offset=vocabulary_offset)
+    tokens = token_sampling_kernels.best_of_shards(tokens, scores, steps)
+    if not with_logprobs:
+        return tokens
+    threshold = steps.apply(token_sampling_kernels.threshold_of, rows)
+    return (tokens, *token_sampling_kernels.token_logprobs(logits, tokens, temperature, threshold,
+                                                           vocabulary_offset=vocabulary_offset, steps=steps))
 
 
 sample_tokens_op = torch.library.custom_op("torch_pallas::sample_tokens", _compute_sample_tokens, mutates_args=())
