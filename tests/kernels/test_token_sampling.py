@@ -90,8 +90,10 @@ def kept_by_definition(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
         kept &= logits >= np.sort(logits)[::-1][min(top_k, logits.size) - 1]
     if top_p < 1:
         mass = np.where(kept, masses, 0.0)
-        above = np.array([mass[logits > value].sum() for value in logits])
-        kept &= above < top_p * mass.sum()
+        values, group = np.unique(logits, return_inverse=True)  # -0.0 and 0.0 are one value
+        group_mass = np.bincount(group, weights=mass, minlength=values.size)
+        above = np.concatenate([np.cumsum(group_mass[::-1])[::-1][1:], [0.0]])  # the mass of larger values
+        kept &= above[group] < top_p * mass.sum()
     return kept
 
 
@@ -109,6 +111,26 @@ def test_kept_sets_follow_the_definitions():
         got = keys[b] >= threshold[b]
         assert np.array_equal(got, want), (b, {name: rows[name][b] for name in ("temperature", "top_k", "top_p",
                                                                                   "min_p")}, got.sum(), want.sum())
+
+
+def test_top_p_over_a_long_tail_and_signed_zeros_follows_the_definition():
+    """A language model's vocabulary: tens of thousands of tokens in the tail, whose masses the
+    top-p sums must not round away (each floored to 2**-24 of the largest's, they moved the
+    nucleus in one row in ten); logits in halves, whose ties include -0.0 and 0.0 (one value)."""
+    rng = np.random.default_rng(7)
+    batch, vocabulary = 48, 32000
+    logits = rng.standard_normal((batch, vocabulary)) * rng.uniform(1, 4, (batch, 1))
+    logits[:, :20] += rng.uniform(0, 8, (batch, 20))
+    logits[batch // 2:] = np.round(logits[batch // 2:] * 2) / 2
+    logits = logits.astype(np.float32)
+    assert np.signbit(logits[batch // 2:][logits[batch // 2:] == 0]).any()
+    temperature = rng.uniform(0.3, 1.5, batch).astype(np.float32)
+    top_p = rng.choice([0.5, 0.9, 0.95, 0.99], batch).astype(np.float32)
+    threshold = np.asarray(keep_threshold(logits, temperature, None, top_p, None))
+    keys = np.asarray(token_sampling.ordered_key(logits))
+    for b in range(batch):
+        want = kept_by_definition(logits[b], temperature[b], 0, top_p[b], 0.0)
+        assert np.array_equal(keys[b] >= threshold[b], want), (b, (keys[b] >= threshold[b]).sum(), want.sum())
 
 
 # Vocabularies and dtypes, batch sizes and blocks the invariance test combines: few shapes (each
@@ -245,6 +267,10 @@ def test_greedy_rows_are_argmax_with_ties_to_the_lowest_index():
                     np.full(16, 5, np.int32), np.full(16, 0.5, np.float32), None, interpret=True,
                     block_rows=8, block_vocabulary=128)
     assert np.asarray(tokens).tolist() == np.argmax(logits, axis=1).tolist()
+    signed_zeros = np.array([[-1.0, -0.0, 0.0, -2.0], [0.0, -0.0, -0.0, -3.0]], np.float32)
+    tokens = sample(signed_zeros, seed_words([1, 2]), np.zeros(2, np.uint32), np.zeros(2, np.float32),
+                    interpret=True)
+    assert np.asarray(tokens).tolist() == [1, 0]  # torch.argmax's: -0.0 == 0.0
 
 
 def test_rows_of_minus_infinity_and_nan():

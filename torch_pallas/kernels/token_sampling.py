@@ -24,7 +24,7 @@ Every decision is made by integer operations, comparisons, maxima, and elementwi
 arithmetic: the logarithms and exponentials are written here in multiplies and adds
 (:func:`portable_log`, :func:`portable_exp`, after Cephes' ``logf`` and ``expf``), not left to
 each device's transcendental units, whose last bits differ; sums of probability are integer sums
-of 2**-24-quantised masses, exact in any order. So a row split into any batch, slot, vocabulary
+of masses in fixed point (to 2**-36), exact in any order. So a row split into any batch, slot, vocabulary
 blocks or shards (whose partial maxima, counts and sums are exact) decides alike wherever one
 compiler compiles it. Across compilers one difference remains: where a compiler contracts
 ``a * b + c`` into a fused multiply-add (XLA's CPU compiler does, for 23 % of random float32
@@ -50,11 +50,12 @@ from torch_pallas.kernels import calls, prng, tiling
 # first digits (0x9E3779B9, Threefry's and TEA's constant) and pi's next (0x243F6A88), so that no
 # generator of this package shares it (the tiled impl's is Random123's pi digits, prng.TILED_KEY_MIX).
 SEED_MIX = (np.uint32(0x9E3779B9), np.uint32(0x243F6A88))
-# Probability masses are quantised to 2**-MASS_BITS of the largest one's (which is 1) for the
-# top-p threshold's sums: each splits into words of MASS_SPLIT bits, whose uint32 sums are exact
-# for vocabularies below MAX_VOCABULARY.
-MASS_BITS = 24
+# Probability masses (of the largest one's, which is 1) are summed for the top-p threshold as
+# MASS_WORDS base-2**MASS_SPLIT digits each (the mass truncated to 2**-36: exact for masses above
+# 2**-12, within 2**-36 below), whose uint32 sums are exact, in any order, for vocabularies below
+# MAX_VOCABULARY.
 MASS_SPLIT = 12
+MASS_WORDS = 3
 MAX_VOCABULARY = 2**20
 # Temperatures below this sample greedily: vLLM's _SAMPLING_EPS.
 GREEDY_BELOW = np.float32(1e-5)
@@ -129,9 +130,11 @@ def gumbel_from_bits(bits: jax.Array) -> jax.Array:
 
 
 def ordered_key(logits: jax.Array) -> jax.Array:
-    """uint32 keys in the order of float32 ``logits`` (``-inf`` lowest, ``+inf`` highest): a
-    threshold on logits is a threshold on keys, searched bit by bit."""
+    """uint32 keys in the order of float32 ``logits`` (``-inf`` lowest, ``+inf`` highest; ``-0.0``
+    and ``0.0`` one key, as they compare equal): a threshold on logits is a threshold on keys,
+    searched bit by bit."""
     bits = lax.bitcast_convert_type(logits, jnp.uint32)
+    bits = jnp.where(bits == _SIGN, np.uint32(0), bits)  # -0.0
     return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
 
 
@@ -173,18 +176,27 @@ def bisect_in_steps(steps, partial, kind: str, holds, shard_arguments: tuple, ro
     return t
 
 
-def _mass_words(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint32 ``(high, low)`` words of masses in [0, 1] quantised to 2**-MASS_BITS."""
-    quantised = lax.convert_element_type(jnp.floor(masses * np.float32(2.0**MASS_BITS)), jnp.int32)
-    quantised = lax.convert_element_type(quantised, jnp.uint32)
-    return quantised >> np.uint32(MASS_SPLIT), quantised & np.uint32(2**MASS_SPLIT - 1)
+def _mass_words(masses: jax.Array) -> tuple[jax.Array, ...]:
+    """The :data:`MASS_WORDS` uint32 base-2**MASS_SPLIT digits of masses in [0, 1], most
+    significant first (1 is the digit 2**MASS_SPLIT then zeros). Each step is exact in float32:
+    a power-of-two scaling, a floor, and the fraction left."""
+    words, rest = [], masses
+    for _ in range(MASS_WORDS):
+        scaled = rest * np.float32(2.0**MASS_SPLIT)
+        digit = jnp.floor(scaled)
+        words.append(lax.convert_element_type(lax.convert_element_type(digit, jnp.int32), jnp.uint32))
+        rest = scaled - digit
+    return tuple(words)
 
 
-def _as_float(high: jax.Array, low: jax.Array) -> jax.Array:
-    """float32 of the exact sum ``high * 2**MASS_SPLIT + low`` of quantised masses (rounded
-    once each way: the same on every device)."""
-    return lax.convert_element_type(high, jnp.float32) * np.float32(2.0**MASS_SPLIT) + lax.convert_element_type(
-        low, jnp.float32)
+def _as_float(*sums: jax.Array) -> jax.Array:
+    """float32 of the exact sum ``sum(sums[i] * 2**(MASS_SPLIT * (MASS_WORDS - 1 - i)))`` of
+    digits (:func:`_mass_words`), in units of the last digit: rounded at each of a fixed sequence
+    of additions after exact power-of-two scalings, the same on every device, fused or not."""
+    total = lax.convert_element_type(sums[0], jnp.float32)
+    for word in sums[1:]:
+        total = total * np.float32(2.0**MASS_SPLIT) + lax.convert_element_type(word, jnp.float32)
+    return total
 
 
 class InTrace:
@@ -274,22 +286,24 @@ def _kept_mass_words(keys, masses, threshold):
     return _mass_words(jnp.where(keys >= threshold[:, None], masses, np.float32(0.0)))
 
 
-def _kept_mass_partial(high, low):
-    return jnp.sum(high, axis=-1), jnp.sum(low, axis=-1)
+def _kept_mass_partial(*words):
+    return tuple(jnp.sum(word, axis=-1, dtype=jnp.uint32) for word in words)
 
 
-def _mass_above_partial(keys, high, low, t):
+def _mass_above_partial(keys, *words_and_t):
+    *words, t = words_and_t
     above = keys > t[:, None]
-    return (jnp.sum(jnp.where(above, high, 0), axis=-1, dtype=jnp.uint32),
-            jnp.sum(jnp.where(above, low, 0), axis=-1, dtype=jnp.uint32))
+    return tuple(jnp.sum(jnp.where(above, word, 0), axis=-1, dtype=jnp.uint32) for word in words)
 
 
-def _top_p_bound(high, low, top_p):
-    return top_p * _as_float(high, low)
+def _top_p_bound(*sums_and_top_p):
+    *sums, top_p = sums_and_top_p
+    return top_p * _as_float(*sums)
 
 
-def _holds_top_p_above(high, low, bound):
-    return _as_float(high, low) >= bound
+def _holds_top_p_above(*sums_and_bound):
+    *sums, bound = sums_and_bound
+    return _as_float(*sums) >= bound
 
 
 def _raised(threshold, candidate, on):
@@ -329,8 +343,8 @@ def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=
       top-k and top-p; transformers applies it after top-p, on the renormalised distribution).
     - ``top_k`` (``(B,)`` int32, 0 or at least V: none): the k-th largest key (ties at it kept).
     - ``top_p`` (``(B,)`` float32, 1: none): over the tokens the others keep, the smallest key
-      whose tokens above it hold less than ``top_p`` of their mass (masses quantised to
-      2**-24 of the largest's), so the kept tokens are the fewest largest whose mass reaches
+      whose tokens above it hold less than ``top_p`` of their mass (summed exactly in fixed
+      point, each mass truncated to 2**-36 of the largest's), so the kept tokens are the fewest largest whose mass reaches
       ``top_p``, ties kept: transformers' and vLLM's rule (sort ascending, drop where the
       cumulative probability is at most ``1 - top_p``), but for the order they give ties.
 
@@ -352,10 +366,10 @@ def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=
         kth = steps.bisect(_count_at_least_partial, "sum", _holds_top_k, (keys,), (top_k,))
         threshold = steps.apply(_raised_by_top_k, threshold, kth, top_k)
     if top_p is not None:
-        high, low = steps.apply(_kept_mass_words, keys, masses, threshold)
-        total = steps.reduce("sum", steps.apply(_kept_mass_partial, high, low))
+        words = steps.apply(_kept_mass_words, keys, masses, threshold)
+        total = steps.reduce("sum", steps.apply(_kept_mass_partial, *words))
         bound = steps.apply(_top_p_bound, *total, top_p)
-        last = steps.bisect(_mass_above_partial, "sum", _holds_top_p_above, (keys, high, low), (bound,))
+        last = steps.bisect(_mass_above_partial, "sum", _holds_top_p_above, (keys, *words), (bound,))
         threshold = steps.apply(_raised_by_top_p, threshold, last, top_p)
     return steps.apply(_or_greedy, threshold, largest, temperature)
 
