@@ -10,6 +10,7 @@ import torch_xla.debug.metrics as met
 
 import torch_pallas
 from torch_pallas.kernels import token_sampling as token_sampling_kernels
+from generate_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
 
 BATCH, VOCABULARY = 6, 1000
 SEEDS = [0, 1, 2**32, 2**63 + 5, 2**64 - 1, 12345]
@@ -151,51 +152,9 @@ def test_bad_input_names_the_argument(call, error, match):
         call(logits())
 
 
-def tiny_gpt2(device):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                                     eos_token_id=299, pad_token_id=299)
-    return transformers.GPT2LMHeadModel(config).eval().to(device)
-
-
 # (on the XLA device every step of every call compiles a graph of its own length: 3.5 minutes)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_generate_continues_a_prompt_alike_alone_in_a_batch_and_left_padded(device):
-    """docs/sampling.md, transformers: SeededSampling in generate(do_sample=True). A tiny GPT-2's
-    float32 logits for a prompt are the same alone and left-padded in a batch of 9 to within
-    rounding (checked: the first step's, within 1e-5), so its tokens are the same unless two
-    scores tie that closely."""
-    device = torch_xla.device() if device == "xla" else torch.device("cpu")
-    model = tiny_gpt2(device)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 299, (int(length),), generator=generator) for length in torch.randint(2, 12, (9,),
-                                                                                                     generator=generator)]
-    seeds = list(range(100, 109))
-
-    def generate(indices):
-        width = max(len(prompts[i]) for i in indices)
-        ids = torch.full((len(indices), width), 299)
-        mask = torch.zeros(len(indices), width, dtype=torch.long)
-        for row, i in enumerate(indices):  # left padding
-            ids[row, width - len(prompts[i]):] = prompts[i]
-            mask[row, width - len(prompts[i]):] = 1
-        sampling = torch_pallas.SeededSampling([seeds[i] for i in indices], temperature=1.0, top_p=0.9)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                             max_new_tokens=8, min_new_tokens=8, logits_processor=[sampling])
-        return {i: out[row, width:].cpu().tolist() for row, i in enumerate(indices)}
-    batch = generate(list(range(9)))
-    assert len({tuple(tokens) for tokens in batch.values()}) > 1
-    for i in (0, 4, 8):
-        assert generate([i])[i] == batch[i], i
-    assert generate([8, 0])[0] == batch[0]
-    with torch.no_grad():  # the logits' batch invariance the comparison relies on
-        alone = model(prompts[3][None].to(device)).logits[0, -1].cpu()
-        width = max(map(len, prompts))
-        padded = torch.cat([torch.full((width - len(prompts[3]),), 299), prompts[3]])[None]
-        mask = (torch.arange(width) >= width - len(prompts[3])).long()[None]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded positions
-        in_batch = model(padded.to(device), attention_mask=mask.to(device),
-                         position_ids=positions.to(device)).logits[0, -1].cpu()
-    torch.testing.assert_close(in_batch, alone, rtol=0, atol=1e-5)
+    """docs/sampling.md, transformers: SeededSampling in generate(do_sample=True)."""
+    check_continuations_alike_alone_in_a_batch_and_left_padded(
+        torch_xla.device() if device == "xla" else torch.device("cpu"))

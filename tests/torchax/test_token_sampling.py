@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_pallas
+from generate_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
 from torchax_support import in_env  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")
@@ -34,3 +35,23 @@ def test_the_jax_device_returns_the_cpu_tensors_logprobs():
     assert got.tokens.cpu().tolist() == want.tokens.tolist()
     torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, rtol=0, atol=1e-6)
     torch.testing.assert_close(got.raw_logprobs.cpu(), want.raw_logprobs, rtol=0, atol=1e-6)
+
+
+# (torchax runs generate op by op, each new shape traced anew: 14 s a call, 70 s in all)
+@pytest.mark.slow
+def test_generate_continues_a_prompt_alike_alone_in_a_batch_and_left_padded():
+    """docs/sampling.md, transformers: SeededSampling in generate(do_sample=True) on the jax device,
+    on GPT-2's eager attention: on sdpa, a left-padded row's logits are NaN here (torchax's SDPA
+    gives NaN for a query with no key to attend, where torch's gives 0; the padding positions' NaN
+    then reach the last token through later layers: test_sdpa_of_left_padding_is_nan_on_torchax)."""
+    check_continuations_alike_alone_in_a_batch_and_left_padded(torch.device("jax"), attention="eager")
+
+
+def test_sdpa_of_left_padding_is_nan_on_torchax():
+    """Why the generate test runs eager attention on torchax: a query that may attend to no key
+    gets NaN from torchax's SDPA (torch's CPU SDPA gives 0). When this test fails, torchax has
+    changed and the generate test can run sdpa."""
+    query = torch.randn(1, 1, 4, 8, device="jax")
+    mask = torch.tensor([[False] * 4, [True] * 4, [True] * 4, [True] * 4], device="jax")
+    got = torch.nn.functional.scaled_dot_product_attention(query, query, query, attn_mask=mask).cpu()
+    assert torch.isnan(got[0, 0, 0]).all() and torch.isfinite(got[0, 0, 1:]).all()
