@@ -18,9 +18,11 @@ and with top-k 50 and top-p 0.9 too:
 
 libtpu's estimate (:func:`torch_pallas.tpu_schedule.estimate`) counts a loop at a program's top
 level once, so it refuses one: the two bisecting samplers compile here with their 32 steps
-unrolled, the same computation as the loop (this bench swaps ``token_sampling._bisect`` for
-:func:`unrolled_bisect` while it compiles torch_pallas' sampler). Written to
-``results/tpu_cost_sampling.{json,md}``.
+unrolled, the same computation as the loop, and the arrays each step reads materialised first
+(an optimisation barrier), as a loop's operands are: unrolled, XLA would fuse their computation
+into every step, or not, as it judged (this bench swaps ``token_sampling._bisect`` and
+``InTrace.bisect`` for :func:`unrolled_bisect` and :func:`bisect_as_its_loop_runs` while it
+compiles torch_pallas' sampler). Written to ``results/tpu_cost_sampling.{json,md}``.
 """
 
 from __future__ import annotations
@@ -44,14 +46,23 @@ FILTERS = {"temperature": {}, "top-k 50, top-p 0.9": dict(top_k=50, top_p=0.9)}
 TEMPERATURE = 0.8
 
 
-def unrolled_bisect(predicate, shape):
-    """``token_sampling._bisect``'s search with its 32 steps unrolled (no loop for the estimate
-    to refuse)."""
-    t = jnp.zeros(shape, jnp.uint32)
-    for bit in range(32):
-        candidate = t | np.uint32(1 << (31 - bit))
+def unrolled_bisect(predicate, start):
+    """``token_sampling._bisect``'s search with its steps (one per bit of ``start``'s dtype)
+    unrolled: no loop for the estimate to refuse."""
+    t, width = start, start.dtype.itemsize * 8
+    for bit in range(width):
+        candidate = t | np.array(1 << (width - 1 - bit), t.dtype)
         t = jnp.where(predicate(candidate), candidate, t)
     return t
+
+
+_IN_TRACE_BISECT = token_sampling.InTrace.bisect
+
+
+def bisect_as_its_loop_runs(steps, partial, kind, holds, shard_arguments, row_arguments):
+    """``InTrace.bisect`` unrolled, its arrays materialised first, as a loop's operands are (else
+    XLA fuses their computation into each of the 32 steps, which the loop does not)."""
+    return _IN_TRACE_BISECT(steps, partial, kind, holds, lax.optimization_barrier(shard_arguments), row_arguments)
 
 
 def torch_pallas_sampler(logits, seed_words, positions, top_k=None, top_p=None):
@@ -62,23 +73,33 @@ def torch_pallas_sampler(logits, seed_words, positions, top_k=None, top_p=None):
     return token_sampling.sample_tokens(logits, seed_words, positions, temperature, interpret=False, **per_row)
 
 
+def float_of_key(keys):
+    """The float32 whose order key (``token_sampling.ordered_key``) is ``keys`` (uint32, a row's)."""
+    sign = np.uint32(0x80000000)
+    return lax.bitcast_convert_type(jnp.where(keys >= sign, keys & np.uint32(0x7FFFFFFF), np.uint32(0) - keys),
+                                    jnp.float32)
+
+
 def tpu_inference_sampler(logits, key_data, top_k=None, top_p=None):
-    """vLLM's TPU sampler's structure (not its code): masks by bisection, then one categorical."""
+    """vLLM's TPU sampler's structure (not its code): masks by bisection over float32 bit patterns
+    (each step compares the floats with the row's candidate, as its float32_bsearch does), then
+    one categorical."""
     scaled = logits.astype(jnp.float32) / np.float32(TEMPERATURE)
-    keys = token_sampling.ordered_key(scaled)
     masked = np.float32(-1e12)
     if top_k is not None:
+        searched = lax.optimization_barrier(scaled)  # as its loop's operand (bisect_as_its_loop_runs)
+
         def at_least_k(t):
-            return jnp.sum(keys >= t[:, None], axis=-1, dtype=jnp.int32) >= top_k
-        scaled = jnp.where(keys >= unrolled_bisect(at_least_k, scaled.shape[:1])[:, None], scaled, masked)
+            return jnp.sum(searched >= float_of_key(t)[:, None], axis=-1, dtype=jnp.int32) >= top_k
+        cutoff = float_of_key(unrolled_bisect(at_least_k, jnp.zeros(scaled.shape[:1], jnp.uint32)))
+        scaled = jnp.where(scaled >= cutoff[:, None], scaled, masked)
     if top_p is not None:
-        probabilities = jax.nn.softmax(scaled, axis=-1)
-        probability_keys = token_sampling.ordered_key(probabilities)
+        probabilities = lax.optimization_barrier(jax.nn.softmax(scaled, axis=-1))
 
         def holds_top_p(t):
-            return jnp.sum(jnp.where(probability_keys >= t[:, None], probabilities, 0.0), axis=-1) >= top_p
-        least = unrolled_bisect(holds_top_p, scaled.shape[:1])
-        scaled = jnp.where(probability_keys >= least[:, None], scaled, masked)
+            return jnp.sum(jnp.where(probabilities >= float_of_key(t)[:, None], probabilities, 0.0), axis=-1) >= top_p
+        least = float_of_key(unrolled_bisect(holds_top_p, jnp.zeros(scaled.shape[:1], jnp.uint32)))
+        scaled = jnp.where(probabilities >= least[:, None], scaled, masked)
     return jax.random.categorical(jax.random.wrap_key_data(key_data), scaled, axis=-1)
 
 
@@ -107,11 +128,11 @@ def measure(generation, batch, dtype, filters):
     parameters = FILTERS[filters]
     words = (jax.ShapeDtypeStruct((batch, 2), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
     original_bisect = token_sampling._bisect
-    token_sampling._bisect = unrolled_bisect
+    token_sampling._bisect, token_sampling.InTrace.bisect = unrolled_bisect, bisect_as_its_loop_runs
     try:
         ours = measure_jax(functools.partial(torch_pallas_sampler, **parameters), (logits, *words), generation)
     finally:
-        token_sampling._bisect = original_bisect
+        token_sampling._bisect, token_sampling.InTrace.bisect = original_bisect, _IN_TRACE_BISECT
     peer = measure_jax(functools.partial(tpu_inference_sampler, **parameters),
                        (logits, jax.ShapeDtypeStruct((2,), jnp.uint32)), generation)
     multinomial = measure_torch_multinomial(generation, batch, dtype) if not parameters else None
@@ -139,7 +160,8 @@ def main() -> None:
              "(torch_pallas.kernels.token_sampling): that work, not memory, sets its time. tpu-inference's path "
              "(written here after its structure) draws the same Threefry bits with the device's logarithms, "
              "for one key per batch: neither per-request seeds nor batch invariance. The bisections of both "
-             "compile unrolled here (the estimate refuses a loop at a program's top level).\n")
+             "compile unrolled here, the arrays their steps read materialised first as a loop's operands are "
+             "(the estimate refuses a loop at a program's top level).\n")
     common.write("tpu_cost_sampling", dict(mode="compile-only", vocabulary=VOCABULARY, temperature=TEMPERATURE,
                                            rows=rows), table + notes, None)
     print(table + notes)

@@ -97,13 +97,16 @@ def kept_by_definition(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
     return kept
 
 
-def test_kept_sets_follow_the_definitions():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kept_sets_follow_the_definitions(dtype):
+    """bfloat16 logits' thresholds are searched over their keys' top 16 bits: the same sets."""
     rng = np.random.default_rng(1)
     rows = random_rows(rng, 64, 257, greedy_share=0.1)
     # Ties at thresholds: rows of a few distinct values.
     rows["logits"][:8] = np.round(rows["logits"][:8])
-    threshold = np.asarray(keep_threshold(rows["logits"], rows["temperature"], rows["top_k"], rows["top_p"],
-                                          rows["min_p"]))
+    logits = jnp.asarray(rows["logits"], dtype)
+    rows["logits"] = np.asarray(logits.astype(jnp.float32))
+    threshold = np.asarray(keep_threshold(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"]))
     keys = np.asarray(token_sampling.ordered_key(rows["logits"]))
     for b in range(64):
         want = kept_by_definition(rows["logits"][b], rows["temperature"][b], rows["top_k"][b], rows["top_p"][b],
@@ -113,7 +116,8 @@ def test_kept_sets_follow_the_definitions():
                                                                                   "min_p")}, got.sum(), want.sum())
 
 
-def test_top_p_over_a_long_tail_and_signed_zeros_follows_the_definition():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_top_p_over_a_long_tail_and_signed_zeros_follows_the_definition(dtype):
     """A language model's vocabulary: tens of thousands of tokens in the tail, whose masses the
     top-p sums must not round away (each floored to 2**-24 of the largest's, they moved the
     nucleus in one row in ten); logits in halves, whose ties include -0.0 and 0.0 (one value)."""
@@ -122,11 +126,12 @@ def test_top_p_over_a_long_tail_and_signed_zeros_follows_the_definition():
     logits = rng.standard_normal((batch, vocabulary)) * rng.uniform(1, 4, (batch, 1))
     logits[:, :20] += rng.uniform(0, 8, (batch, 20))
     logits[batch // 2:] = np.round(logits[batch // 2:] * 2) / 2
-    logits = logits.astype(np.float32)
+    given = jnp.asarray(logits, dtype)
+    logits = np.asarray(given.astype(jnp.float32))
     assert np.signbit(logits[batch // 2:][logits[batch // 2:] == 0]).any()
     temperature = rng.uniform(0.3, 1.5, batch).astype(np.float32)
     top_p = rng.choice([0.5, 0.9, 0.95, 0.99], batch).astype(np.float32)
-    threshold = np.asarray(keep_threshold(logits, temperature, None, top_p, None))
+    threshold = np.asarray(keep_threshold(given, temperature, None, top_p, None))
     keys = np.asarray(token_sampling.ordered_key(logits))
     for b in range(batch):
         want = kept_by_definition(logits[b], temperature[b], 0, top_p[b], 0.0)

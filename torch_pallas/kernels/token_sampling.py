@@ -134,8 +134,8 @@ def ordered_key(logits: jax.Array) -> jax.Array:
     and ``0.0`` one key, as they compare equal): a threshold on logits is a threshold on keys,
     searched bit by bit."""
     bits = lax.bitcast_convert_type(logits, jnp.uint32)
-    bits = jnp.where(bits == _SIGN, np.uint32(0), bits)  # -0.0
-    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+    # Negative: 2**32 - bits (-0.0's is 0.0's, 2**31); positive: above them all.
+    return jnp.where(bits >= _SIGN, np.uint32(0) - bits, bits | _SIGN)
 
 
 def _reciprocal(x: jax.Array) -> jax.Array:
@@ -147,17 +147,20 @@ def _reciprocal(x: jax.Array) -> jax.Array:
     return guess
 
 
-def _bisect(predicate, shape) -> jax.Array:
-    """The largest uint32 ``t`` (per row, ``shape``) with ``predicate(t)`` true, for a predicate
-    true at 0 and monotone (true, then false, as ``t`` grows): 32 steps of one bit each."""
+def _bisect(predicate, start: jax.Array) -> jax.Array:
+    """The largest ``t`` of ``start``'s unsigned dtype (per row, zeros: :func:`_search_start`)
+    with ``predicate(t)`` true, for a predicate true at 0 and monotone (true, then false, as ``t``
+    grows): a step of one bit for each of its bits."""
+    width = start.dtype.itemsize * 8
+
     def step(bit, t):
-        candidate = t | (np.uint32(1) << lax.convert_element_type(31 - bit, jnp.uint32))
+        candidate = t | (lax.convert_element_type(1, t.dtype) << lax.convert_element_type(width - 1 - bit, t.dtype))
         return jnp.where(predicate(candidate), candidate, t)
-    return lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))
+    return lax.fori_loop(0, width, step, start)
 
 
 def _with_bit(t: jax.Array, *, bit: int) -> jax.Array:
-    return t | np.uint32(1 << (31 - bit))
+    return t | np.array(1 << (t.dtype.itemsize * 8 - 1 - bit), t.dtype)
 
 
 def _chosen(candidate, t, *reduced_and_rows, holds):
@@ -166,9 +169,11 @@ def _chosen(candidate, t, *reduced_and_rows, holds):
 
 def bisect_in_steps(steps, partial, kind: str, holds, shard_arguments: tuple, row_arguments: tuple):
     """:class:`InTrace`'s ``bisect`` search (:func:`_bisect`'s) for an executor whose steps are calls
-    of their own: the 32 candidates' partials reduced one after another."""
-    t = steps.apply(_no_threshold, row_arguments[0])
-    for bit in range(32):
+    of their own: the candidates' partials (one per bit of the keys, ``shard_arguments[0]``)
+    reduced one after another."""
+    keys = shard_arguments[0]
+    t = steps.apply(_search_start, keys)
+    for bit in range(keys.dtype.itemsize * 8):
         candidate = steps.apply(_with_bit, t, bit=bit)
         reduced = steps.reduce(kind, steps.apply(partial, *shard_arguments, candidate))
         reduced = reduced if isinstance(reduced, tuple) else (reduced,)
@@ -177,14 +182,14 @@ def bisect_in_steps(steps, partial, kind: str, holds, shard_arguments: tuple, ro
 
 
 def _mass_words(masses: jax.Array) -> tuple[jax.Array, ...]:
-    """The :data:`MASS_WORDS` uint32 base-2**MASS_SPLIT digits of masses in [0, 1], most
-    significant first (1 is the digit 2**MASS_SPLIT then zeros). Each step is exact in float32:
-    a power-of-two scaling, a floor, and the fraction left."""
+    """The :data:`MASS_WORDS` base-2**MASS_SPLIT digits of masses in [0, 1], most significant
+    first (1 is the digit 2**MASS_SPLIT then zeros), as uint16: each step of a search reads them
+    all. Each step here is exact in float32: a power-of-two scaling, a floor, and the fraction left."""
     words, rest = [], masses
     for _ in range(MASS_WORDS):
         scaled = rest * np.float32(2.0**MASS_SPLIT)
         digit = jnp.floor(scaled)
-        words.append(lax.convert_element_type(lax.convert_element_type(digit, jnp.int32), jnp.uint32))
+        words.append(lax.convert_element_type(lax.convert_element_type(digit, jnp.int32), jnp.uint16))
         rest = scaled - digit
     return tuple(words)
 
@@ -212,8 +217,8 @@ class InTrace:
     - ``apply(function, *arrays, **static)``: ``function`` (a module-level JAX function) of a
       shard's logits and per-row arrays;
     - ``reduce(kind, partial)``: a partial, or a tuple of them, combined across the shards;
-    - ``bisect(partial, kind, holds, shard_arguments, row_arguments)``: the largest uint32 ``t``
-      per row at which ``holds(*reduced, *row_arguments)`` is true, ``reduced`` the reduction of
+    - ``bisect(partial, kind, holds, shard_arguments, row_arguments)``: the largest ``t`` (of
+      the dtype of ``shard_arguments[0]``, the search keys: :func:`_search_keys`) per row at which ``holds(*reduced, *row_arguments)`` is true, ``reduced`` the reduction of
       ``partial(*shard_arguments, t)`` (:func:`_bisect`'s search; :func:`bisect_in_steps`, one
       step after another).
     """
@@ -235,7 +240,7 @@ class InTrace:
         def predicate(t):
             reduced = self.reduce(kind, partial(*shard_arguments, t))
             return holds(*(reduced if isinstance(reduced, tuple) else (reduced,)), *row_arguments)
-        return _bisect(predicate, row_arguments[0].shape)
+        return _bisect(predicate, _search_start(shard_arguments[0]))
 
 
 def _clean(logits: jax.Array) -> jax.Array:
@@ -258,8 +263,18 @@ def _masses(logits: jax.Array, largest: jax.Array, temperature: jax.Array) -> ja
 # The steps of keep_threshold: arrays of a shard's logits, their per-row partials ("*_partial"), and
 # per-row functions of the partials' reductions.
 
-def _keys(logits: jax.Array) -> jax.Array:
-    return ordered_key(_clean(logits))
+def _search_keys(logits: jax.Array) -> jax.Array:
+    """The keys the thresholds are searched over: :func:`ordered_key`'s, or for bfloat16 logits
+    their top 16 bits, as uint16 (the rest are zeros), which halve each step's reads and the
+    steps. A threshold over them is the same kept set as over the whole keys (:func:`_or_greedy`)."""
+    keys = ordered_key(_clean(logits))
+    if logits.dtype == jnp.bfloat16:
+        return lax.convert_element_type(keys >> np.uint32(16), jnp.uint16)
+    return keys
+
+
+def _search_start(keys: jax.Array) -> jax.Array:
+    return jnp.zeros(keys.shape[:1], keys.dtype)
 
 
 def _largest_partial(logits: jax.Array) -> jax.Array:
@@ -271,7 +286,7 @@ def _no_threshold(largest: jax.Array) -> jax.Array:
 
 
 def _min_p_partial(keys, masses, min_p):
-    return jnp.min(jnp.where(masses >= min_p[:, None], keys, np.uint32(0xFFFFFFFF)), axis=-1)
+    return jnp.min(jnp.where(masses >= min_p[:, None], keys, np.array(np.iinfo(keys.dtype).max, keys.dtype)), axis=-1)
 
 
 def _count_at_least_partial(keys, t):
@@ -293,7 +308,7 @@ def _kept_mass_partial(*words):
 def _mass_above_partial(keys, *words_and_t):
     *words, t = words_and_t
     above = keys > t[:, None]
-    return tuple(jnp.sum(jnp.where(above, word, 0), axis=-1, dtype=jnp.uint32) for word in words)
+    return tuple(jnp.sum(jnp.where(above, word, np.uint16(0)), axis=-1, dtype=jnp.uint32) for word in words)
 
 
 def _top_p_bound(*sums_and_top_p):
@@ -307,7 +322,7 @@ def _holds_top_p_above(*sums_and_bound):
 
 
 def _raised(threshold, candidate, on):
-    return jnp.maximum(threshold, jnp.where(on, candidate, np.uint32(0)))
+    return jnp.maximum(threshold, jnp.where(on, candidate, np.zeros((), threshold.dtype)))
 
 
 def _raised_by_min_p(threshold, least, min_p):
@@ -321,12 +336,16 @@ def _raised_by_top_k(threshold, kth, top_k):
 def _raised_by_top_p(threshold, last, top_p):
     # The last key with at least top_p above it; the threshold is the next (everything above it
     # holds less). At t = 0 the mass above is the whole (top_p <= 1).
-    nucleus = jnp.where(last == np.uint32(0xFFFFFFFF), last, last + np.uint32(1))
+    most = np.array(np.iinfo(last.dtype).max, last.dtype)
+    nucleus = jnp.where(last == most, last, last + np.ones((), last.dtype))
     return _raised(threshold, nucleus, top_p < 1)
 
 
 def _or_greedy(threshold, largest, temperature):
-    return jnp.where(_greedy(temperature), ordered_key(largest), threshold)
+    """The uint32 threshold over :func:`ordered_key`'s keys of a threshold over the search keys
+    (their top bits), or a greedy row's (the largest logit's key)."""
+    widened = lax.convert_element_type(threshold, jnp.uint32) << np.uint32(32 - threshold.dtype.itemsize * 8)
+    return jnp.where(_greedy(temperature), ordered_key(largest), widened)
 
 
 def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=None, min_p=None,
@@ -354,10 +373,10 @@ def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=
     """
     steps = steps or InTrace()
     largest = steps.reduce("max", steps.apply(_largest_partial, logits))
-    threshold = steps.apply(_no_threshold, largest)
     if min_p is None and top_k is None and top_p is None:
-        return steps.apply(_or_greedy, threshold, largest, temperature)
-    keys = steps.apply(_keys, logits)
+        return steps.apply(_or_greedy, steps.apply(_no_threshold, largest), largest, temperature)
+    keys = steps.apply(_search_keys, logits)
+    threshold = steps.apply(_search_start, keys)
     masses = steps.apply(_masses, logits, largest, temperature)
     if min_p is not None:
         least = steps.reduce("min", steps.apply(_min_p_partial, keys, masses, min_p))
