@@ -387,11 +387,9 @@ def run_sampling_case(case: dict, mesh) -> None:
     import torch_pallas
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    values = torch.randn(case["shape"], generator=torch.Generator().manual_seed(SEED)) * 3
-    values[:2] = values[:2].round()  # ties, across shards too
-    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
-                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
-                     min_p=0.01, return_logprobs=True)
+    from sampling_cases import sharded_logits_case
+
+    values, arguments = sharded_logits_case(case["shape"][1])
     logits = distributed(values, mesh, case["placements"])
     if any(isinstance(placement, Partial) for placement in case["placements"]):
         with pytest.raises(ValueError, match="Partial"):

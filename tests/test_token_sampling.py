@@ -10,7 +10,7 @@ import torch_xla.debug.metrics as met
 
 import torch_pallas
 from torch_pallas.kernels import token_sampling as token_sampling_kernels
-from generate_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
+from sampling_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
 
 BATCH, VOCABULARY = 6, 1000
 SEEDS = [0, 1, 2**32, 2**63 + 5, 2**64 - 1, 12345]

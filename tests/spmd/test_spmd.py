@@ -18,6 +18,7 @@ import torch_pallas  # noqa: E402
 from attention_cases import sharded_case  # noqa: E402
 from conftest import read_together  # noqa: E402
 from hlo_dump import all_gather_sizes, compiled_modules  # noqa: E402
+from sampling_cases import sharded_logits_case  # noqa: E402
 
 DEVICE = torch_xla.device()
 MESHES = {"4x1": (4, 1), "1x4": (1, 4), "2x2": (2, 2)}
@@ -208,11 +209,7 @@ SAMPLING_CASES = [("1x4", (None, "model")), ("2x2", ("data", "model"))]
 def test_sampled_tokens_of_sharded_logits_are_the_unsharded_ones_without_gathering_them(mesh, spec):
     """A tensor-parallel lm_head's logits (split along the vocabulary), and the batch split too:
     the kernel runs on each shard, and the tokens are the unsharded call's."""
-    values = torch.randn(8, 1000, generator=torch.Generator().manual_seed(3)) * 3
-    values[:2] = values[:2].round()  # ties across shards
-    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
-                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
-                     min_p=0.01, return_logprobs=True)
+    values, arguments = sharded_logits_case()
     expected = torch_pallas.sample_tokens(values.to(DEVICE), **arguments)
     logits = sharded(values, mesh_of(mesh), spec)
     got = torch_pallas.sample_tokens(logits, **arguments)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_pallas
-from generate_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
+from sampling_cases import check_continuations_alike_alone_in_a_batch_and_left_padded
 from torchax_support import in_env  # noqa: F401  (in_env: fixture)
 
 pytestmark = pytest.mark.usefixtures("in_env")

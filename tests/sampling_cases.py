@@ -1,10 +1,22 @@
-"""transformers' generate(do_sample=True) with torch_pallas.SeededSampling (docs/sampling.md), as
-each stack's tests run it: a prompt's continuation is the same generated alone, in a batch of 9
-prompts and left-padded."""
+"""sample_tokens cases each stack's tests run: sharded logits' rows and arguments (SPMD on both
+stacks, DTensors), and transformers' generate(do_sample=True) with torch_pallas.SeededSampling
+(docs/sampling.md): a prompt's continuation is the same generated alone, in a batch of 9 prompts
+and left-padded."""
 
 import torch
 
 import torch_pallas
+
+
+def sharded_logits_case(vocabulary: int = 1000):
+    """(8, vocabulary) logits (two rows of ties, across shards too) and sample_tokens' arguments:
+    every parameter, a greedy row, positions up to 2**32 - 1, log-probabilities."""
+    values = torch.randn(8, vocabulary, generator=torch.Generator().manual_seed(3)) * 3
+    values[:2] = values[:2].round()
+    arguments = dict(seeds=list(range(100, 108)), positions=[0, 1, 2, 2**31, 7, 7, 9, 2**32 - 1],
+                     temperature=torch.tensor([0.8, 0.0, 1.0, 1.3, 0.8, 0.5, 0.0, 2.0]), top_k=50, top_p=0.9,
+                     min_p=0.01, return_logprobs=True)
+    return values, arguments
 
 
 def tiny_gpt2(device, attention="sdpa"):
