@@ -19,7 +19,7 @@ from torch_pallas.kernels import token_sampling
 SEED_MIX = (0x9E3779B9, 0x243F6A88)
 
 sample = jax.jit(token_sampling.sample_tokens,
-                 static_argnames=("interpret", "with_logprobs", "block_rows", "block_vocabulary"))
+                 static_argnames=("interpret", "with_logprobs", "fold", "block_rows", "block_vocabulary"))
 keep_threshold = jax.jit(token_sampling.keep_threshold)
 
 
@@ -139,11 +139,13 @@ def test_top_p_over_a_long_tail_and_signed_zeros_follows_the_definition(dtype):
 
 
 # Vocabularies and dtypes, batch sizes and blocks the invariance test combines: few shapes (each
-# compiles once), many rows. Blocks: the default, ragged vocabulary blocks, several row blocks.
+# compiles once), many rows. Blocks: the default, ragged vocabulary blocks, several row blocks, rows
+# folded into parts (as a TPU folds a batch below 8 rows).
 VOCABULARIES = {"fast": [1000], "slow": [1000, 2048 + 5, 128]}
 BATCHES = {"fast": [1, 13], "slow": [1, 8, 13, 32]}
-BLOCKS = {"fast": [{}, dict(block_rows=8, block_vocabulary=256)],
-          "slow": [{}, dict(block_rows=8, block_vocabulary=128), dict(block_rows=16, block_vocabulary=384)]}
+BLOCKS = {"fast": [{}, dict(block_rows=8, block_vocabulary=256), dict(fold=4)],
+          "slow": [{}, dict(block_rows=8, block_vocabulary=128), dict(block_rows=16, block_vocabulary=384),
+                   dict(fold=3, block_vocabulary=128), dict(fold=8)]}
 
 
 @pytest.mark.parametrize("tier", ["fast", pytest.param("slow", marks=pytest.mark.slow)])

@@ -397,8 +397,9 @@ def test_dropout_linear_per_shard_on_a_2x2_topology(generation, impl="tiled"):
                                    jax.ShapeDtypeStruct((16, 1024), jnp.float32), generation=generation)
 
 
-# (batch, vocabulary): Llama 3's vocabulary, and a ragged one smaller than a block.
-TOKEN_SAMPLING_SHAPES = {"llama3": (8, 128256), "ragged": (13, 1000)}
+# (batch, vocabulary): one request of Llama 3's vocabulary (its row folded into 8 parts, a vreg's
+# sublanes), and 13 rows of a ragged one smaller than a block.
+TOKEN_SAMPLING_SHAPES = {"llama3": (1, 128256), "ragged": (13, 1000)}
 
 
 @pytest.mark.parametrize("parameters", ["all", "temperature"])

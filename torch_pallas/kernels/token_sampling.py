@@ -393,23 +393,24 @@ def keep_threshold(logits: jax.Array, temperature: jax.Array, top_k=None, top_p=
     return steps.apply(_or_greedy, threshold, largest, temperature)
 
 
-def _gumbel_max_kernel(offset_ref, rows_ref, logits_ref, token_ref, score_ref, *, vocabulary: int,
-                       block_vocabulary: int):
+def _gumbel_max_kernel(offset_ref, rows_ref, logits_ref, token_ref, score_ref, *, block_vocabulary: int):
     """One (rows, vocabulary) block: each row's best ``logit + T * g`` over its kept tokens, and
     the lowest index holding it, folded into the running best of the blocks before (the output
-    blocks stay resident along the vocabulary axis)."""
+    blocks stay resident along the vocabulary axis). A row's columns are entries ``start`` to
+    ``start + width - 1`` of its vocabulary (a part of a folded row: :func:`gumbel_max`)."""
     j = pl.program_id(1)
     rows = rows_ref[...]
     k0 = lax.bitcast_convert_type(rows[:, 0:1], jnp.uint32)
     k1 = lax.bitcast_convert_type(rows[:, 1:2], jnp.uint32)
     threshold = lax.bitcast_convert_type(rows[:, 2:3], jnp.uint32)
     temperature = lax.bitcast_convert_type(rows[:, 3:4], jnp.float32)
+    start, width = rows[:, 4:5], rows[:, 5:6]
     logits = logits_ref[...].astype(jnp.float32)
     local = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_vocabulary
-    index = local + offset_ref[0]
+    index = local + start + offset_ref[0]
     bits = prng.threefry_bits(k0, k1, lax.convert_element_type(index, jnp.uint32))
     score = logits + temperature * gumbel_from_bits(bits)
-    kept = (ordered_key(logits) >= threshold) & (local < vocabulary)
+    kept = (ordered_key(logits) >= threshold) & (local < width)
     score = jnp.where(kept & (score == score), score, -jnp.inf)
     best = jnp.max(score, axis=1, keepdims=True)
     # Where every score of the block is -inf (nothing kept here), its lowest index. In float32 (exact
@@ -434,6 +435,15 @@ def _gumbel_max_kernel(offset_ref, rows_ref, logits_ref, token_ref, score_ref, *
 _INTERPRET_BLOCK_ELEMENTS = 2**22
 # TPU: rows of a block (a vreg's sublanes) and lanes of vocabulary (not tuned on hardware).
 _TPU_BLOCK_VOCABULARY = 2048
+
+
+def default_fold(batch: int, vocabulary: int, interpret: bool) -> int:
+    """How many rows of :func:`gumbel_max`'s kernel each logits row becomes: on TPU, a batch below
+    a vreg's 8 sublanes fills them with parts of its rows (a block of one row computes 8), where
+    each part keeps at least a vreg's 128 lanes; 1 elsewhere."""
+    if interpret or batch >= tiling.SUBLANES:
+        return 1
+    return max(1, min(tiling.SUBLANES // batch, vocabulary // tiling.LANES))
 
 
 def default_blocks(batch: int, vocabulary: int, interpret: bool) -> tuple[int, int]:
@@ -469,12 +479,35 @@ def threshold_of(rows: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(rows[:, 2], jnp.uint32)
 
 
-def gumbel_max(logits: jax.Array, rows: jax.Array, *, interpret: bool, vocabulary_offset=0,
+def gumbel_max(logits: jax.Array, rows: jax.Array, *, interpret: bool, vocabulary_offset=0, fold: int | None = None,
                block_rows: int | None = None, block_vocabulary: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Step 4 of the contract in one Pallas kernel over (row, vocabulary) blocks: int32 ``(B,)``
     tokens (global indices: the logits' column ``c`` is entry ``vocabulary_offset + c``) and their
-    float32 scores, for the rows :func:`sampling_rows` describes. The blocks (``block_rows``,
+    float32 scores, for the rows :func:`sampling_rows` describes. ``fold`` (default:
+    :func:`default_fold`) cuts each row into that many parts, rows of the kernel of their own whose
+    best tokens combine as shards' do (:func:`best_of_shards`); it and the blocks (``block_rows``,
     ``block_vocabulary``; default per platform) change nothing."""
+    batch, vocabulary = logits.shape
+    fold = fold or default_fold(batch, vocabulary, interpret)
+    width = pl.cdiv(vocabulary, fold)
+    starts = np.arange(fold, dtype=np.int32) * width
+    parts = jnp.stack([jnp.broadcast_to(starts, (batch, fold)),
+                       jnp.broadcast_to(np.clip(vocabulary - starts, 0, width), (batch, fold))], axis=-1)
+    rows = jnp.concatenate([jnp.repeat(rows, fold, axis=0), parts.reshape(batch * fold, 2)], axis=1)
+    if fold > 1:
+        logits = jnp.pad(logits, ((0, 0), (0, fold * width - vocabulary))).reshape(batch * fold, width)
+    tokens, scores = _gumbel_max_call(logits, rows, interpret, vocabulary_offset, block_rows, block_vocabulary)
+    if fold == 1:
+        return tokens, scores
+    along_parts = InTrace(along_last_axis)
+    scores = scores.reshape(batch, fold)
+    return (best_of_shards(tokens.reshape(batch, fold), scores, along_parts)[:, 0],
+            along_parts.reduce("max", scores)[:, 0])
+
+
+def _gumbel_max_call(logits, rows, interpret, vocabulary_offset, block_rows, block_vocabulary):
+    """:func:`gumbel_max`'s kernel on rows of logits, each described by six words (four of
+    :func:`sampling_rows`, the first column's entry and the columns' count)."""
     batch, vocabulary = logits.shape
     default_rows, default_vocabulary = default_blocks(batch, vocabulary, interpret)
     block_rows = min(block_rows or default_rows, batch)
@@ -486,7 +519,7 @@ def gumbel_max(logits: jax.Array, rows: jax.Array, *, interpret: bool, vocabular
                          f"{block_vocabulary}")
     offset = jnp.asarray(vocabulary_offset, jnp.int32).reshape(1)
     grid = (pl.cdiv(batch, block_rows), pl.cdiv(vocabulary, block_vocabulary))
-    kernel = functools.partial(_gumbel_max_kernel, vocabulary=vocabulary, block_vocabulary=block_vocabulary)
+    kernel = functools.partial(_gumbel_max_kernel, block_vocabulary=block_vocabulary)
     out_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))
     call = calls.pallas_call(
         kernel, name=calls.kernel_name("sample_tokens", blocks=(block_rows, block_vocabulary)),
@@ -495,7 +528,7 @@ def gumbel_max(logits: jax.Array, rows: jax.Array, *, interpret: bool, vocabular
             flops=batch * vocabulary * (prng.noise_ops(prng.THREEFRY) + 60)),
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((block_rows, 4), lambda i, j: (i, 0)),
+                  pl.BlockSpec((block_rows, rows.shape[1]), lambda i, j: (i, 0)),
                   pl.BlockSpec((block_rows, block_vocabulary), lambda i, j: (i, j))],
         out_specs=[out_spec, out_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, 1), jnp.int32), jax.ShapeDtypeStruct((batch, 1), jnp.float32)],
@@ -601,7 +634,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array,
 def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array, temperature: jax.Array,
                   top_k: jax.Array | None = None, top_p: jax.Array | None = None, min_p: jax.Array | None = None,
                   *, interpret: bool, with_logprobs: bool = False, vocabulary_offset=0, reduce=None,
-                  block_rows: int | None = None, block_vocabulary: int | None = None):
+                  fold: int | None = None, block_rows: int | None = None, block_vocabulary: int | None = None):
     """int32 ``(B,)`` token ids sampled from ``logits`` (``(B, V)`` float32 or bfloat16), one per
     row, by the contract of this module: row ``b``'s token depends on its logits, its seed's
     words ``seed_words[b]`` (int32 ``(B, 2)``: high, low), ``positions[b]`` (int32) and its
@@ -621,7 +654,7 @@ def sample_tokens(logits: jax.Array, seed_words: jax.Array, positions: jax.Array
     steps = InTrace(reduce)
     temperature = temperature.astype(jnp.float32)
     rows = sampling_rows(logits, seed_words, positions, temperature, top_k, top_p, min_p, steps=steps)
-    tokens, scores = gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=vocabulary_offset,
+    tokens, scores = gumbel_max(logits, rows, interpret=interpret, vocabulary_offset=vocabulary_offset, fold=fold,
                                 block_rows=block_rows, block_vocabulary=block_vocabulary)
     if reduce is not None:
         tokens = best_of_shards(tokens, scores, steps)
