@@ -218,7 +218,8 @@ class InTrace:
       shard's logits and per-row arrays;
     - ``reduce(kind, partial)``: a partial, or a tuple of them, combined across the shards;
     - ``bisect(partial, kind, holds, shard_arguments, row_arguments)``: the largest ``t`` (of
-      the dtype of ``shard_arguments[0]``, the search keys: :func:`_search_keys`) per row at which ``holds(*reduced, *row_arguments)`` is true, ``reduced`` the reduction of
+      the dtype of ``shard_arguments[0]``, the search keys: :func:`_search_keys`) per row at
+      which ``holds(*reduced, *row_arguments)`` is true, ``reduced`` the reduction of
       ``partial(*shard_arguments, t)`` (:func:`_bisect`'s search; :func:`bisect_in_steps`, one
       step after another).
     """
