@@ -151,16 +151,16 @@ def _bisect(predicate, start: jax.Array) -> jax.Array:
     """The largest ``t`` of ``start``'s unsigned dtype (per row, zeros: :func:`_search_start`)
     with ``predicate(t)`` true, for a predicate true at 0 and monotone (true, then false, as ``t``
     grows): a step of one bit for each of its bits."""
-    width = start.dtype.itemsize * 8
-
     def step(bit, t):
-        candidate = t | (lax.convert_element_type(1, t.dtype) << lax.convert_element_type(width - 1 - bit, t.dtype))
+        candidate = _with_bit(t, bit=bit)
         return jnp.where(predicate(candidate), candidate, t)
-    return lax.fori_loop(0, width, step, start)
+    return lax.fori_loop(0, start.dtype.itemsize * 8, step, start)
 
 
-def _with_bit(t: jax.Array, *, bit: int) -> jax.Array:
-    return t | np.array(1 << (t.dtype.itemsize * 8 - 1 - bit), t.dtype)
+def _with_bit(t: jax.Array, *, bit) -> jax.Array:
+    """``t`` with bit ``bit`` set, counted from the most significant (``bit`` an int or traced)."""
+    shift = lax.convert_element_type(t.dtype.itemsize * 8 - 1 - bit, t.dtype)
+    return t | (lax.convert_element_type(1, t.dtype) << shift)
 
 
 def _chosen(candidate, t, *reduced_and_rows, holds):
