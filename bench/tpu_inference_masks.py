@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,9 @@ import jax.numpy as jnp
 
 import common
 from torch_pallas.kernels import token_sampling
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reference import kept_by_definition  # noqa: E402  (the tests' float64 definition of a kept set)
 
 TPU_INFERENCE = "tpu-inference==0.32.0"
 MASKS = "tpu_inference/layers/common/binary_search.py"
@@ -74,22 +78,6 @@ def ours(logits, temperature, top_k, top_p):
     return token_sampling.ordered_key(logits) >= threshold[:, None]
 
 
-def by_definition(logits, temperature, top_k, top_p) -> np.ndarray:
-    """One row's kept set in float64: top-k (ties kept), then over those the fewest largest whose
-    probability reaches top_p (ties kept), the definition both samplers state."""
-    logits = logits.astype(np.float64)
-    kept = np.ones(logits.shape, bool)
-    if top_k:
-        kept &= logits >= np.sort(logits)[::-1][min(top_k, logits.size) - 1]
-    if top_p < 1:
-        masses = np.where(kept, np.exp((logits - logits.max()) / temperature), 0.0)
-        values, group = np.unique(logits, return_inverse=True)
-        group_mass = np.bincount(group, weights=masses, minlength=values.size)
-        above = np.concatenate([np.cumsum(group_mass[::-1])[::-1][1:], [0.0]])  # mass of larger values
-        kept &= above[group] < top_p * masses.sum()
-    return kept
-
-
 def compare(masks, case) -> dict:
     arguments = (case["logits"], case["temperature"], case["top_k"], case["top_p"])
     want = np.asarray(jax.jit(lambda *a: theirs(masks, *a))(*arguments))
@@ -99,7 +87,7 @@ def compare(masks, case) -> dict:
     probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
     probabilities /= probabilities.sum(axis=1, keepdims=True)
     differing_mass = [float(probabilities[b][want[b] != got[b]].sum()) for b in np.flatnonzero(differ)]
-    exact = [by_definition(case["logits"][b], case["temperature"][b], case["top_k"][b], case["top_p"][b])
+    exact = [kept_by_definition(case["logits"][b], case["temperature"][b], case["top_k"][b], case["top_p"][b], 0.0)
              for b in np.flatnonzero(differ)]
     return dict(rows=ROWS, differing_rows=int(differ.sum()),
                 ours_as_defined=sum(bool(np.array_equal(got[b], e)) for b, e in zip(np.flatnonzero(differ), exact)),

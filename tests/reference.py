@@ -282,3 +282,23 @@ def attention_tiled_keep(shape, dropout_p, seed=1234):
     key = tiled_seed_key(seed)
     planes = [numpy_tiled_view(key, (L, S), tile, 16, b * tiles_per_plane) for b in range(int(np.prod(batch)))]
     return tiled_keep_from_bits(np.stack(planes).reshape(shape), dropout_p)
+
+
+def kept_by_definition(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """The token sampler's kept set of one row in float64 (torch_pallas.kernels.token_sampling's
+    definitions): greedy; else min-p, top-k (ties kept), then top-p over what they keep,
+    renormalised (the fewest largest reaching top_p, ties kept)."""
+    logits = logits.astype(np.float64)
+    if temperature < 1e-5:
+        return logits == logits.max()
+    masses = np.exp((logits - logits.max()) / temperature)
+    kept = masses >= min_p
+    if top_k:
+        kept &= logits >= np.sort(logits)[::-1][min(top_k, logits.size) - 1]
+    if top_p < 1:
+        mass = np.where(kept, masses, 0.0)
+        values, group = np.unique(logits, return_inverse=True)  # -0.0 and 0.0 are one value
+        group_mass = np.bincount(group, weights=mass, minlength=values.size)
+        above = np.concatenate([np.cumsum(group_mass[::-1])[::-1][1:], [0.0]])  # the mass of larger values
+        kept &= above[group] < top_p * mass.sum()
+    return kept

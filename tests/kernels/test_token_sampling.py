@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.scipy.special import gammaincc
 
-from reference import SEEDS, numpy_threefry2x32
+from reference import SEEDS, kept_by_definition, numpy_threefry2x32
 from torch_pallas.kernels import token_sampling
 
 # The seed mix's fixed key as docs/sampling.md states it.
@@ -76,25 +76,6 @@ def test_tokens_are_the_kept_sets_best_logit_plus_temperature_times_gumbel_noise
     threshold = keep_threshold(rows["logits"], rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"])
     want = reference_tokens(rows["logits"], rows["seeds"], rows["positions"], rows["temperature"], np.asarray(threshold))
     assert call(rows).tolist() == want
-
-
-def kept_by_definition(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
-    """The kept set of one row in float64: greedy; else min-p, top-k (ties kept), then top-p over
-    what they keep, renormalised (the fewest largest reaching top_p, ties kept)."""
-    logits = logits.astype(np.float64)
-    if temperature < 1e-5:
-        return logits == logits.max()
-    masses = np.exp((logits - logits.max()) / temperature)
-    kept = masses >= min_p
-    if top_k:
-        kept &= logits >= np.sort(logits)[::-1][min(top_k, logits.size) - 1]
-    if top_p < 1:
-        mass = np.where(kept, masses, 0.0)
-        values, group = np.unique(logits, return_inverse=True)  # -0.0 and 0.0 are one value
-        group_mass = np.bincount(group, weights=mass, minlength=values.size)
-        above = np.concatenate([np.cumsum(group_mass[::-1])[::-1][1:], [0.0]])  # the mass of larger values
-        kept &= above[group] < top_p * mass.sum()
-    return kept
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
