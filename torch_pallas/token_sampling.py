@@ -208,8 +208,8 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     return token_sampling_ops.sample_tokens(*arguments).to(torch.int64)
 
 
-# Its steps are calls and collectives of their own, which dynamo cannot trace: a compiled region
-# breaks its graph here (fullgraph=True: dynamo names this function as skipped).
+# Its steps are calls and collectives of their own, which dynamo cannot trace (it failed inside the
+# bridge's dlpack call, 2026-12-04): a compiled region runs this eagerly, between its graphs.
 @torch.compiler.disable
 def _sample_on_ranks(logits, per_row: tuple, layout: tuple, return_logprobs: bool):
     """:func:`sample_tokens` of DTensor ``logits``: each rank samples its block's rows from its
