@@ -211,6 +211,13 @@ def test_wide_arithmetic_is_64_bit_arithmetic():
     high, low = prng.add_wide(words(x << np.uint64(20)), words(y))
     np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64),
                                   (x << np.uint64(20)) + y)
+    high, low = prng.minus_word(words(y), jnp.asarray(x, jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(high, np.uint64) << np.uint64(32) | np.asarray(low, np.uint64), y - x)
+    for divisor in (1, 2, 3, 1000, 2**14, 65536 * 3, 2**31 - 1, 2**31):
+        np.testing.assert_array_equal(np.asarray(prng.remainder_wide(words(y), divisor), np.uint64),
+                                      y % np.uint64(divisor), err_msg=str(divisor))
+    with pytest.raises(ValueError, match=r"divisor must be in \[1, 2\*\*31\]"):
+        prng.remainder_wide(words(y), 2**31 + 1)
 
 
 def test_index_dims_merge_what_a_stride_allows():
@@ -262,11 +269,49 @@ def test_per_tile_shards_draw_the_tiles_of_the_whole_tensor(emulated_hardware_pr
     assert len(np.unique(drawn)) > drawn.size // 2  # distinct tiles, not one repeated
 
 
-@pytest.mark.parametrize("shard,global_shape", [((16, 256), (16, 1024)), ((4, 1024), (16, 1024))],
-                         ids=["columns", "half a band"])
-def test_hardware_shards_that_are_not_whole_tiles_are_refused(shard, global_shape):
-    with pytest.raises(ValueError, match=r"\(16, 1024\) tile of the whole tensor's 16x1024 view.*threefry"):
-        elementwise.per_tile_view(shard, global_shape)
+# Shards that are not whole bands of their tensor's noise, drawn in the bands that cover them:
+# (global shape, shared over the first dim, each shard's (first element, shape), blocks).
+COVERED = {
+    # view (64, 256), one (64, 256) tile: a quarter of its one band each (the issue's case)
+    "rows of a band": ((64, 256), False, [((16 * i, 0), (16, 256)) for i in range(4)], None),
+    # a (16, 1024) tile: each shard a column run per row (16 runs)
+    "columns": ((16, 1024), False, [((0, 256 * i), (16, 256)) for i in range(4)], None),
+    # view (128, 256), (128, 256) tiles: past 16 runs a shard's span is drawn in one call
+    "many runs": ((128, 256), False, [((0, 0), (128, 128)), ((0, 128), (128, 128))], None),
+    # a sequence split: 4 runs per shard, at places in the band the offset decides
+    "sequence": ((4, 24, 256), False, [((0, 0, 0), (4, 12, 256)), ((0, 12, 0), (4, 12, 256))], None),
+    # torch's uneven chunks (DTensor): 10 rows as 4, 4 and 2, of (64, 1024) tiles' one band
+    "uneven rows": ((10, 1024), False, [((0, 0), (4, 1024)), ((4, 0), (4, 1024)), ((8, 0), (2, 1024))], None),
+    # one shared mask row of 2048, (8, 1024) tiles: halves of tiles, for each of the 5 rows
+    "shared row split": ((5, 8, 256), True, [((0, 0, 0), (5, 8, 64)), ((0, 0, 64), (5, 8, 64))], None),
+    # a one-row view: 1000 elements in (8, 1024) tiles, split in three
+    "one row": ((1000,), False, [((0,), (400,)), ((400,), (400,)), ((800,), (200,))], None),
+}
+
+
+@covered_on_the_newest_jax
+@pytest.mark.parametrize("impl", ["hardware", "tiled"])
+@pytest.mark.parametrize("case", COVERED)
+def test_per_tile_shards_that_are_not_whole_bands_draw_the_tiles_of_the_whole_tensor(emulated_hardware_prng,
+                                                                                     case, impl):
+    global_shape, shared, parts, blocks = COVERED[case]
+    noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(5)), transform=as_int32,
+                              out_dtype=jnp.int32, impl=impl, interpret=True, blocks=blocks,
+                              shared_over_first_dim=shared)
+    expected = np.asarray(noise(global_shape))
+    strides = [0 if shared and d == 0 else int(np.prod(global_shape[d + 1:])) for d in range(len(global_shape))]
+    for start, shard in parts:
+        assert not elementwise.draws_whole_bands(shard, global_shape, shared)
+        offset = offset_words(sum(s * stride for s, stride in zip(start, strides)))
+        got = noise(shard, global_shape=global_shape, shard_offset=offset)
+        np.testing.assert_array_equal(np.asarray(got), expected[part_of(start, shard)], err_msg=str(start))
+
+
+def test_per_tile_shards_of_whole_bands_at_a_band_are_drawn_as_they_are():
+    assert elementwise.draws_whole_bands((64, 1024), (256, 1024))  # (64, 1024) tiles: one band
+    assert not elementwise.draws_whole_bands((32, 1024), (256, 1024))  # half a band
+    assert not elementwise.draws_whole_bands((64, 512), (256, 1024))  # runs of half a row
+    assert not elementwise.draws_whole_bands((128, 1024), (192, 1024))  # 2 bands of an uneven split
 
 
 @covered_on_the_newest_jax
@@ -281,9 +326,28 @@ def test_per_tile_noise_of_a_tensor_xla_holds_swapped_is_the_swapped_tensors(emu
     assert not np.array_equal(got.reshape(208, 256), np.asarray(noise((208, 256))))
 
 
-def test_per_tile_shards_of_a_tensor_xla_holds_swapped_are_refused():
-    with pytest.raises(ValueError, match=r"shard of shape \(8, 13, 256\).*first two dims swapped.*threefry"):
-        elementwise.per_tile_view((8, 13, 256), (16, 13, 256), impl="tiled")
+@covered_on_the_newest_jax
+@pytest.mark.parametrize("impl", ["hardware", "tiled"])
+def test_per_tile_shards_of_a_tensor_xla_holds_swapped_draw_their_part_of_the_swapped_tensors(
+        emulated_hardware_prng, impl):
+    global_shape = (16, 13, 256)  # seen as (13, 16, 256)
+    noise = functools.partial(elementwise.noise_map, jnp.asarray(key_data(7)), transform=as_int32,
+                              out_dtype=jnp.int32, impl=impl, interpret=True)
+    expected = np.asarray(noise(global_shape))
+    for start, shard in [((8, 0, 0), (8, 13, 256)), ((0, 0, 128), (16, 13, 128)), ((8, 4, 0), (4, 9, 256))]:
+        got = noise(shard, global_shape=global_shape, shard_offset=offset_words(flat_index(start, global_shape)))
+        np.testing.assert_array_equal(np.asarray(got), expected[part_of(start, shard)], err_msg=str(start))
+
+
+def test_swapped_offset_is_the_index_in_the_swapped_tensor():
+    rng = np.random.default_rng(0)
+    for global_shape in [(16, 13, 256), (2**14, 3, 2**17), (24, 2**20 + 1, 2, 3)]:
+        for _ in range(20):
+            start = [int(rng.integers(size)) for size in global_shape]
+            swapped_shape = (global_shape[1], global_shape[0], *global_shape[2:])
+            swapped_start = [start[1], start[0], *start[2:]]
+            got = elementwise._swapped_offset(jnp.asarray(offset_words(flat_index(start, global_shape))), global_shape)
+            np.testing.assert_array_equal(np.asarray(got), offset_words(flat_index(swapped_start, swapped_shape)))
 
 
 @covered_on_the_newest_jax

@@ -181,6 +181,13 @@ HARDWARE_SHARDED_NOISE = [((1024, 2048), P("data", None), False), ((1024, 2048),
                           ((8, 64, 2048), P(None, ("data", "model"), None), True)]
 
 
+# Shards that are not whole bands, drawn in the bands that cover them: rows of a band (a band is 64 rows
+# of (64, 2048)), a split along columns (1024 runs: their span, drawn whole) and ViT-B/16's activations
+# split along the batch (seen swapped, as (197, 32, 768): 197 runs of a shard's 8 rows).
+COVERED_SHARDED_NOISE = [((64, 2048), P(("data", "model"), None), False), ((1024, 2048), P(None, "model"), False),
+                         ((32, 197, 768), P(("data", "model"), None, None), False)]
+
+
 def test_hardware_dropout_per_shard_on_a_2x2_topology(generation, impl="hardware", cases=HARDWARE_SHARDED_NOISE):
     offsets = jax.ShapeDtypeStruct((2, 2, 2), jnp.int32)
     for shape, spec, shared in cases:
@@ -500,7 +507,7 @@ TILED_CONFIGURATIONS = {
         generation=generation),
     "dropout": _compiles_tiled_dropout,
     "dropout-per-shard": lambda generation: test_hardware_dropout_per_shard_on_a_2x2_topology(
-        generation, "tiled", HARDWARE_SHARDED_NOISE[-1:]),
+        generation, "tiled", HARDWARE_SHARDED_NOISE[-1:] + COVERED_SHARDED_NOISE),
     "attention": lambda generation: compiles(
         functools.partial(rounded_attention_forward_and_backward, dropout_p=0.1, impl="tiled", causal=True), KEY,
         *[jax.ShapeDtypeStruct(ATTENTION_SHAPES["197"][0], jnp.float32)] * 3, generation=generation),

@@ -166,30 +166,26 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
     view, padded to whole tiles: the elements of ``global_shape[1:]`` in one row for a mask
     shared over the first dim, else :func:`tiling.view_2d` of ``global_shape`` (of the
     tensor with its first two dims swapped where :func:`tiling.first_dims_swapped`:
-    :func:`noise_map` swaps them before it asks). A shard draws its part of that noise when
-    it is whole tiles of that view: a contiguous run of whole bands of tile rows of it (a
-    split over the first dims), or of whole tiles of a one-row view.
+    :func:`noise_map` swaps them before it asks). The kernel draws a shard's part of that
+    noise directly when the shard is whole bands of it (:func:`draws_whole_bands`);
+    :func:`noise_map` draws any other shard in the bands that cover it.
 
     Raises:
-        ValueError: a shard that is not whole tiles of the whole tensor's view, or any shard
-            of a tensor whose view swaps its first two dims (no shard is a contiguous run of
-            that view's rows).
+        ValueError: a shard that is not whole bands of the whole tensor's view, or any shard
+            of a tensor whose view swaps its first two dims (its view is the swapped tensor's).
     """
-    _swaps_first_dims(shape, global_shape, shared_over_first_dim, impl)
-    global_dims = index_dims(global_shape, global_shape, shared_over_first_dim)
-    shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
-    numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
-    global_cols = numel if shared_row else tiling.view_2d(global_shape)[1]
-    seed_tile = tiling.hardware_tile(numel // global_cols, global_cols)
+    if swaps_first_dims(global_shape, shared_over_first_dim) and tuple(shape) != tuple(global_shape):
+        raise ValueError(f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape '
+                         f"{tuple(global_shape)}: its noise is drawn per tile of the tensor seen with its first two "
+                         f"dims swapped, as XLA lays it out on TPU (noise_map draws the shard of the swapped tensor)")
+    shared_row, numel, global_cols, seed_tile, band = _bands(global_shape, shared_over_first_dim)
     part = [size for size, stride in index_dims(shape, global_shape, shared_over_first_dim) if stride]
-    band = global_cols * seed_tile[0] if numel > global_cols else seed_tile[1]
     if len(part) != 1 or (part[0] != numel and part[0] % band):
         raise ValueError(
             f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
             f"its noise is drawn per {seed_tile} tile of the whole tensor's "
-            f"{numel // global_cols}x{global_cols} view, so a shard must be a contiguous run of "
-            f"{band}-element bands of it (split the first dims only, in whole bands); "
-            f'use impl="threefry" (drawn per element)')
+            f"{numel // global_cols}x{global_cols} view, and the kernel draws a contiguous run of whole "
+            f"{band}-element bands of it (noise_map draws other shards in the bands that cover them)")
     size = part[0]
     rows, cols = (1, size) if numel == global_cols else (size // global_cols, global_cols)
     if shared_row:
@@ -197,20 +193,137 @@ def per_tile_view(shape, global_shape, shared_over_first_dim: bool = False, impl
     return rows, cols, shared_row, global_cols, seed_tile
 
 
-def _swaps_first_dims(shape, global_shape, shared_over_first_dim: bool, impl: str) -> bool:
-    """Whether a per-tile impl sees a tensor of ``global_shape`` with its first two dims swapped
-    (:func:`tiling.first_dims_swapped`; a mask shared over the first dim never is).
+def _bands(global_shape, shared_over_first_dim: bool) -> tuple[bool, int, int, tuple[int, int], int]:
+    """``(shared_row, numel, global_cols, seed_tile, band)`` of a per-tile impl's noise over a tensor
+    of ``global_shape`` (as :func:`per_tile_view` sees it): the indices it draws (``numel``), its
+    view's width, its tile and its bands, the runs of ``band`` indices (a tile row of the view, or a
+    tile of a one-row view) that a kernel call draws whole."""
+    global_dims = index_dims(global_shape, global_shape, shared_over_first_dim)
+    shared_row = len(global_dims) == 2  # [(first dim, stride 0), (the rest, 1)]
+    numel = global_dims[-1][0] if shared_row else math.prod(global_shape)
+    global_cols = numel if shared_row else tiling.view_2d(global_shape)[1]
+    seed_tile = tiling.hardware_tile(numel // global_cols, global_cols)
+    band = global_cols * seed_tile[0] if numel > global_cols else seed_tile[1]
+    return shared_row, numel, global_cols, seed_tile, band
 
-    Raises:
-        ValueError: ``shape`` is a shard of such a tensor.
-    """
-    swapped = not shared_over_first_dim and tiling.first_dims_swapped(global_shape)
-    if swapped and tuple(shape) != tuple(global_shape):
-        raise ValueError(
-            f'impl="{impl}" on a shard of shape {tuple(shape)} of a tensor of shape {tuple(global_shape)}: '
-            f"its noise is drawn per tile of the tensor seen with its first two dims swapped, as XLA lays it "
-            f'out on TPU, so it cannot be split; use impl="threefry" (drawn per element)')
-    return swapped
+
+def band_length(global_shape, shared_over_first_dim: bool = False) -> int:
+    """How many of the noise's flat indices a band of a per-tile impl's noise over a tensor of
+    ``global_shape`` holds (:func:`_bands`)."""
+    return _bands(global_shape, shared_over_first_dim)[-1]
+
+
+def draws_whole_bands(shape, global_shape, shared_over_first_dim: bool = False) -> bool:
+    """Whether a per-tile impl's kernel draws a shard of ``shape`` of a tensor of ``global_shape``
+    as it is: a contiguous run of whole bands (:func:`_bands`) of an even split (every dim of
+    ``global_shape`` a multiple of the shard's), whose first index is then a multiple of the
+    run's length, as the shards of an even split and torch's DTensor shards start. Otherwise
+    :func:`noise_map` draws the bands that cover it (:func:`_in_covering_bands`)."""
+    _, numel, _, _, band = _bands(global_shape, shared_over_first_dim)
+    part = [size for size, stride in index_dims(shape, global_shape, shared_over_first_dim) if stride]
+    even = all(whole % size == 0 for size, whole in zip(shape, global_shape))
+    return len(part) == 1 and (part[0] == numel or (part[0] % band == 0 and even))
+
+
+# Beyond this many runs in a shard (one per index of the dims before the last it splits), the
+# bands of the span of all of them cost less than a kernel call per run.
+MOST_RUNS = 16
+
+
+def _in_covering_bands(key_data, shape, transform, out_dtype, operands, *, global_shape, shard_offset,
+                       shared_over_first_dim, **options) -> jax.Array:
+    """:func:`noise_map` of a per-tile impl on a shard that is not whole bands of the whole
+    tensor's noise (:func:`draws_whole_bands`): its runs of the noise's flat indices (one per
+    index of the dims before the last it splits; with ``shared_over_first_dim`` in the noise of
+    ``global_shape[1:]``, for every index of the first dim), each placed in zeros where it lies in
+    the bands that cover it, those bands drawn by the kernel as a block of the whole tensor's 2-D
+    view, and the run cut out again. Past :data:`MOST_RUNS` runs, the span of all of them is
+    drawn in one call (a split along the last dim: the whole tensor's bands, for its rows).
+
+    The run's place in its first band is the shard's offset (data: every shard runs this code)
+    modulo the band, so the covering bands are as many as the worst place needs: the run's
+    length plus a band, rounded up to whole bands."""
+    shared_row, numel, columns, _, band = _bands(global_shape, shared_over_first_dim)
+    # A first dim of 1 shares nothing: its noise is the tensor's own.
+    shared_over_first_dim = shared_over_first_dim and shared_row
+    if band > 2**31:
+        raise ValueError(f"a tensor of shape {tuple(global_shape)} has bands of {band} elements; a shard of it "
+                         f"that is not whole bands is drawn for bands of at most 2**31")
+    index_shape = tuple(global_shape[1:]) if shared_over_first_dim else tuple(global_shape)
+    block = tuple(shape[1:]) if shared_over_first_dim else tuple(shape)
+    lead = shape[0] if shared_over_first_dim else 1
+    view = (lead, numel) if shared_over_first_dim else (numel // columns, columns)
+    offset = tuple(lax.bitcast_convert_type(shard_offset, jnp.uint32))
+    misplaced = prng.remainder_wide(offset, band)
+
+    def drawn(pieces, length: int, start, place):
+        """The noise of ``length`` indices at ``place`` in the covering bands from ``start``
+        (uint32 words, a band's first), the ``pieces`` of the operands (``(lead, length)``) put
+        there, cut out."""
+        span = tiling.round_up(length + band - 1, band)
+        rows = lead if shared_over_first_dim or view[0] == 1 else span // columns
+        covering = tuple(lax.dynamic_update_slice(jnp.zeros((lead, span), piece.dtype), piece,
+                                                  (np.int32(0), place)).reshape(rows, -1) for piece in pieces)
+        words = lax.bitcast_convert_type(jnp.stack(start), jnp.int32)
+        out = _noise_map_call(key_data, (rows, span * lead // rows), transform, out_dtype, covering,
+                              shared_over_first_dim=shared_over_first_dim, global_shape=view, shard_offset=words,
+                              **options).reshape(lead, span)
+        return lax.dynamic_slice(out, (np.int32(0), place), (lead, length))
+
+    split = max([0] + [d for d, (size, whole) in enumerate(zip(block, index_shape)) if size != whole])
+    strides = [math.prod(index_shape[d + 1:]) for d in range(len(index_shape))]
+    outer = block[:split]
+    run = block[split] * strides[split]
+    if math.prod(outer) <= MOST_RUNS:
+        pieces = [operand.reshape(lead, -1, run) for operand in operands]
+        outputs = []
+        for index, position in enumerate(np.ndindex(*outer)):
+            relative = sum(i * stride for i, stride in zip(position, strides))
+            place = (misplaced + np.uint32(relative % band)) % np.uint32(band)
+            start = prng.minus_word(prng.add_wide(offset, (np.uint32(relative >> 32), np.uint32(relative & 0xFFFFFFFF))),
+                                    place)
+            outputs.append(drawn([piece[:, index] for piece in pieces], run, start, place.astype(jnp.int32)))
+        return jnp.stack(outputs, axis=1).reshape(shape)
+    # The span: the shard placed in the whole tensor's dims after its first, zeros between its runs.
+    extent = block[0] * strides[0]
+    pieces = [jnp.pad(operand.reshape(lead, *block), [(0, 0), (0, 0)] + [(0, whole - size) for size, whole in
+                                                                      zip(block[1:], index_shape[1:])]
+                      ).reshape(lead, extent) for operand in operands]
+    out = drawn(pieces, extent, prng.minus_word(offset, misplaced), misplaced.astype(jnp.int32))
+    return out.reshape(lead, block[0], *index_shape[1:])[(slice(None),) + tuple(slice(0, size) for size in block)
+                                                          ].reshape(shape)
+
+
+def swaps_first_dims(global_shape, shared_over_first_dim: bool) -> bool:
+    """Whether a per-tile impl sees a tensor of ``global_shape`` with its first two dims swapped
+    (:func:`tiling.first_dims_swapped`; a mask shared over the first dim never is)."""
+    return not shared_over_first_dim and tiling.first_dims_swapped(global_shape)
+
+
+def _swapped_offset(shard_offset: jax.Array, global_shape) -> jax.Array:
+    """int32 ``[high, low]`` words of the flat index, in the tensor of ``global_shape`` with its
+    first two dims swapped, of the element at flat index ``shard_offset`` (the same words) in the
+    tensor: ``(i, j, k)`` at ``(i * L + j) * C + k`` goes to ``(j * B + i) * C + k``, for
+    ``global_shape = (B, L, *rest)`` and ``C`` the elements of ``rest``. From word arithmetic: the
+    row ``i * L + j`` is below 2**31 (Pallas numbers rows with int32), so its word is an exact
+    quotient, a shift and a multiplication by the odd factor's inverse modulo 2**32."""
+    batch, length, inner = global_shape[0], global_shape[1], math.prod(global_shape[2:])
+    offset = tuple(lax.bitcast_convert_type(shard_offset, jnp.uint32))
+    column = prng.remainder_wide(offset, inner)
+    high, low = prng.minus_word(offset, column)
+    shift = (inner & -inner).bit_length() - 1
+    if shift == 0:
+        shifted = low
+    elif shift < 32:
+        shifted = low >> np.uint32(shift) | high << np.uint32(32 - shift)
+    else:
+        shifted = high >> np.uint32(shift - 32)
+    row = shifted * np.uint32(pow(inner >> shift, -1, 2**32))
+    j = row % np.uint32(length)
+    i = row // np.uint32(length)
+    swapped = prng.add_wide(prng.add_wide(prng.multiply_wide(j, batch * inner), prng.multiply_wide(i, inner)),
+                            (np.uint32(0), column))
+    return lax.bitcast_convert_type(jnp.stack(swapped), jnp.int32)
 
 
 def index_count(global_shape, shared_over_first_dim: bool = False) -> int:
@@ -256,7 +369,9 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
     dims swapped where :func:`tiling.first_dims_swapped`), so the result does not depend on
     ``blocks`` or (threefry, tiled) the backend. A shard of a larger
     tensor (``global_shape``) gets the bits of its elements' indices in that tensor, so the
-    shards of a sharded run together hold exactly the unsharded run's noise.
+    shards of a sharded run together hold exactly the unsharded run's noise: any shard (a
+    per-tile impl draws one that is not whole bands of its tiles in the bands that cover it,
+    :func:`_in_covering_bands`; for a tensor seen swapped, the swapped tensor's shard).
 
     Args:
         key_data: int32 (2,) threefry key words.
@@ -284,9 +399,8 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
             on either JAX version.
 
     Raises:
-        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, a per-tile impl on a
-            shard that is not whole tiles of the whole tensor's view (:func:`per_tile_view`), a
-            shard that is split along more than two dims besides the first, a
+        ValueError: an unknown impl, ``impl="hardware"`` in interpret mode, a threefry shard
+            that is split along more than two dims besides the first, a
             ``shard_offset`` of another shape, a 2-D view with a dim of 2**31 or more
             (Pallas numbers blocks with int32), or blocks that
             :func:`tiling.resolve_elementwise` rejects.
@@ -305,17 +419,35 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
                          global_shape=global_shape, shard_offset=shard_offset, name=name, element_cost=element_cost,
                          uniform_bits=uniform_bits, tiled_hash_in_pieces=tiled_hash_in_pieces)
         return wide.astype(out_dtype)
-    if per_tile and _swaps_first_dims(shape, global_shape if sharded else shape, shared_over_first_dim, impl):
+    if sharded and tuple(shard_offset.shape) != (2,):
+        raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
+                         f"got {tuple(shard_offset.shape)}")
+    if per_tile and swaps_first_dims(global_shape if sharded else shape, shared_over_first_dim):
         out = noise_map(key_data, _swap_first_dims(shape), transform, out_dtype,
                         tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
                         interpret=interpret, blocks=blocks,
                         global_shape=_swap_first_dims(global_shape) if sharded else None,
-                        shard_offset=shard_offset, name=name, element_cost=element_cost, uniform_bits=uniform_bits,
+                        shard_offset=_swapped_offset(shard_offset, global_shape) if sharded else None, name=name,
+                        element_cost=element_cost, uniform_bits=uniform_bits,
                         tiled_hash_in_pieces=tiled_hash_in_pieces)
         return jnp.swapaxes(out, 0, 1)
-    if sharded and tuple(shard_offset.shape) != (2,):
-        raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
-                         f"got {tuple(shard_offset.shape)}")
+    if per_tile and sharded and not draws_whole_bands(shape, global_shape, shared_over_first_dim):
+        return _in_covering_bands(key_data, shape, transform, out_dtype, operands, global_shape=global_shape,
+                                  shard_offset=shard_offset, shared_over_first_dim=shared_over_first_dim, impl=impl,
+                                  interpret=interpret, blocks=blocks, name=name, element_cost=element_cost,
+                                  uniform_bits=uniform_bits, tiled_hash_in_pieces=tiled_hash_in_pieces)
+    return _noise_map_call(key_data, shape, transform, out_dtype, operands, impl=impl, interpret=interpret,
+                           blocks=blocks, shared_over_first_dim=shared_over_first_dim, global_shape=global_shape,
+                           shard_offset=shard_offset, name=name, element_cost=element_cost,
+                           uniform_bits=uniform_bits, tiled_hash_in_pieces=tiled_hash_in_pieces)
+
+
+def _noise_map_call(key_data, shape, transform, out_dtype, operands, *, impl, interpret, blocks, shared_over_first_dim,
+                    global_shape, shard_offset, name, element_cost, uniform_bits, tiled_hash_in_pieces) -> jax.Array:
+    """:func:`noise_map`'s kernel call on a tensor, or a shard of one that its kernel draws as it
+    is (for a per-tile impl, whole bands starting at a band: :func:`draws_whole_bands`)."""
+    per_tile = prng.per_tile(impl)
+    sharded = global_shape is not None
     # The counters' high words are 0 unless an index reaches 2**32: then they are computed.
     wide = not per_tile and index_count(global_shape if sharded else shape, shared_over_first_dim) > 2**32
     outer, outer_stride = 1, None

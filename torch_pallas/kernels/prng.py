@@ -163,6 +163,30 @@ def add_wide(a, b) -> tuple[jax.Array, jax.Array]:
     return jnp.where(low < a[1], high + np.uint32(1), high), low
 
 
+def minus_word(a, x) -> tuple[jax.Array, jax.Array]:
+    """``a - x`` modulo 2**64 for a (high, low) pair ``a`` and a uint32 ``x``."""
+    return jnp.where(a[1] < x, a[0] - np.uint32(1), a[0]), a[1] - x
+
+
+def remainder_wide(a, divisor: int) -> jax.Array:
+    """uint32 ``(high * 2**32 + low) % divisor`` for a (high, low) pair ``a`` of uint32 words
+    and a static ``divisor`` in [1, 2**31]: long division in digits of as many bits as keep
+    ``remainder * 2**bits + digit`` within a word (Mosaic and XLA on TPU have no 64-bit
+    integers)."""
+    if not 1 <= divisor <= 2**31:
+        raise ValueError(f"divisor must be in [1, 2**31], got {divisor}")
+    remainder = jnp.zeros_like(jnp.asarray(a[1]))
+    if divisor == 1:
+        return remainder
+    digit_bits = 32 - (divisor - 1).bit_length()  # a remainder has (divisor - 1)'s bits at most
+    for word in a:
+        for end in range(32, 0, -digit_bits):
+            width = min(digit_bits, end)
+            digit = (word >> np.uint32(end - width)) & np.uint32(2**width - 1)
+            remainder = ((remainder << np.uint32(width)) | digit) % np.uint32(divisor)
+    return remainder
+
+
 def multiply_wide(x: jax.Array, constant: int) -> tuple[jax.Array, jax.Array]:
     """(high, low) words of ``x * constant`` modulo 2**64, for uint32 ``x`` (scalar or array)
     and a static ``constant`` in [0, 2**64)."""
