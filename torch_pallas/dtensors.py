@@ -10,17 +10,9 @@ How a shard draws its part:
 * ``impl="threefry"`` draws per element of the whole tensor's flat index: the kernel takes any
   block split along at most two dims besides the first, with its offset in the whole tensor.
 * The per-tile impls (``"tiled"``, ``"hardware"``) draw per tile of the whole tensor's 2-D view
-  (:func:`torch_pallas.kernels.elementwise.per_tile_view`). A shard is cut into the runs of the
-  view it occupies (one run per index of the dims before the last split one: one per sequence
-  for a split along the sequence); each run is padded with zeros to the bands of tiles it
-  touches, the kernel draws those bands, and the padding is cut off again. Where a shard is
-  whole bands nothing is padded; the padding costs at most a band per run, in the forward and
-  backward kernels alike, and nothing is stored. A shard of many runs (a split along the last
-  dim: tensor parallelism's column shards) is scattered instead into the bands it spans, as
-  many as the whole tensor's, for one kernel call: each rank then draws the whole tensor's
-  noise, where ``impl="threefry"`` draws only its shard's. A mask shared over the first dim is
-  cut the same way along the one row of its noise (``shape[1:]``), for every index of the
-  first dim the shard holds.
+  (:func:`torch_pallas.kernels.elementwise.per_tile_view`). The kernel layer draws any shard's
+  part of it, as it does torch_xla's SPMD shards: a shard that is not whole bands of tiles is
+  drawn in the bands that cover it and cut out (:func:`torch_pallas.kernels.elementwise.noise_map`).
 
 The key is drawn on each rank as for a plain tensor (a ``seed``, a ``generator``, or the RNG of
 the shard's device), so ranks must draw alike: seeded alike, as torch's own DTensor random ops
@@ -38,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from torch_pallas import bridge
-from torch_pallas.kernels import elementwise, prng, tiling
+from torch_pallas.kernels import elementwise, prng
 from torch_pallas.sharding import check_noise_block
 
 # At module level, not in the functions: dynamo cannot trace an import (fullgraph=True).
@@ -110,7 +102,7 @@ def _runs(shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int
 def row_runs(x) -> list[tuple[int, list[int]]] | None:
     """This rank's block of DTensor ``x`` as runs of the ``(M, K)`` rows of ``x`` (``K`` its last
     dim): (rows per run, each run's first row); ``None`` where some rank's block splits the
-    last dim or has more than :data:`_MOST_CALLS` runs (each a kernel call)."""
+    last dim or has more than :data:`torch_pallas.kernels.elementwise.MOST_RUNS` runs (each a kernel call)."""
     shape = tuple(x.shape)
     if not shape:
         return None
@@ -120,7 +112,7 @@ def row_runs(x) -> list[tuple[int, list[int]]] | None:
     for coordinate in [own, *(c for c in everyone if c != own)]:
         block_shape, offset = _block_at(shape, mesh, x.placements, coordinate)
         length, starts = _runs(shape, block_shape, offset)
-        if block_shape[-1] != shape[-1] or len(starts) > _MOST_CALLS:
+        if block_shape[-1] != shape[-1] or len(starts) > elementwise.MOST_RUNS:
             return None
         if coordinate == own:
             runs = length // shape[-1], [start // shape[-1] for start in starts]
@@ -294,14 +286,29 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
     local_shape, offset = _local_block(x)
     locals_ = [x.to_local(), *(other.to_local() for other in others)]
     if math.prod(local_shape) == 0:  # an empty shard (more ranks than rows): nothing to draw
-        output = block_op(*locals_, global_shape=shape, global_offset=0)
-    elif not prng.per_tile(impl) or local_shape[shared_over_first_dim:] == shape[shared_over_first_dim:]:
-        check_noise_block(local_shape, shape, impl, shared_over_first_dim)
-        output = block_op(*locals_, global_shape=shape,
-                          global_offset=flat_offset(offset, shape, shared_over_first_dim))
-    else:
-        output = _in_covering_bands(locals_, block_op, shape, local_shape, offset, impl, shared_over_first_dim)
-    return _like(output, x)
+        return _like(block_op(*locals_, global_shape=shape, global_offset=0), x)
+    check_noise_block(local_shape, shape, impl, shared_over_first_dim)
+    if prng.per_tile(impl):
+        _check_starts_where_the_kernel_takes_it(local_shape, shape, offset, impl, shared_over_first_dim)
+    global_offset = flat_offset(offset, shape, shared_over_first_dim)
+    return _like(block_op(*locals_, global_shape=shape, global_offset=global_offset), x)
+
+
+def _check_starts_where_the_kernel_takes_it(local_shape, shape, offset, impl: str, shared_over_first_dim: bool) -> None:
+    """Raises ValueError for a shard the kernel layer would take to start at a band of the per-tile
+    impls' tiles (:func:`torch_pallas.kernels.elementwise.draws_whole_bands`: whole bands, of an
+    even split's shape, as such shards start) that does not: a block of an uneven split of one dim
+    over two mesh dims can. Checked in the view the kernel draws (the swapped tensor's, where it
+    is seen swapped)."""
+    view, block, start = shape, local_shape, offset
+    if elementwise.swaps_first_dims(shape, shared_over_first_dim):
+        view, block, start = ((v[1], v[0], *v[2:]) for v in (shape, local_shape, offset))
+    if (elementwise.draws_whole_bands(block, view, shared_over_first_dim)
+            and flat_offset(start, view, shared_over_first_dim) % elementwise.band_length(view, shared_over_first_dim)):
+        raise ValueError(f'impl="{impl}" on a DTensor shard of shape {tuple(local_shape)} at {tuple(offset)} of a tensor '
+                         f"of shape {tuple(shape)}: a shard of this shape starts at a band of tiles, but in an uneven "
+                         f'split of one dim over two mesh dims; use impl="threefry" (drawn per element) or shard it '
+                         f"evenly")
 
 
 def check_layout(mesh, placements) -> tuple:
@@ -384,60 +391,6 @@ def map_channels(x, scale: torch.Tensor):
     block = scale[tuple(slice(start, start + size) for start, size in zip(offset[:scale.dim()], local_shape))]
     output = x.to_local() * block.reshape(*block.shape, *[1] * (x.dim() - scale.dim()))
     return _like(output, x)
-
-
-# Beyond this many runs in a shard, one kernel over the span of all of them (the whole tensor,
-# for a split along its last dim) costs less than a call per run.
-_MOST_CALLS = 16
-
-
-def _in_covering_bands(locals_: list, block_op: Callable, shape: tuple, local_shape: tuple, offset: tuple,
-                       impl: str, shared_over_first_dim: bool) -> torch.Tensor:
-    """A per-tile impl's noise on a shard: the shard's runs of the whole tensor's 2-D view (with
-    ``shared_over_first_dim``, of the one row of ``shape[1:]``'s noise, for each index of the
-    first dim the shard holds), each padded to the bands of tiles it touches (or, past
-    :data:`_MOST_CALLS` runs, scattered into the bands the whole shard spans), drawn by the
-    kernel and cut out again."""
-    if tiling.first_dims_swapped(shape) and not shared_over_first_dim:
-        elementwise.per_tile_view(local_shape, shape, False, impl)  # raises: such a tensor cannot be split
-    _, _, _, columns, seed_tile = elementwise.per_tile_view(shape, shape, shared_over_first_dim, impl)
-    if shared_over_first_dim:
-        # Every index of the first dim draws the noise of the one row of shape[1:].
-        lead, view = local_shape[0], (local_shape[0], columns)
-        band = seed_tile[1]
-        run, starts = _runs(shape[1:], local_shape[1:], offset[1:])
-    else:
-        numel = math.prod(shape)
-        lead, view = 1, (numel // columns, columns)
-        band = columns * seed_tile[0] if numel > columns else seed_tile[1]
-        # The 2-D view's own noise is the whole tensor's: the same tiles over the same flat indices.
-        assert elementwise.per_tile_view(view, view, False, impl)[3:] == (columns, seed_tile), (shape, view)
-        run, starts = _runs(shape, local_shape, offset)
-
-    def drawn_over(padded: list, first: int) -> torch.Tensor:
-        # (the last band may reach into the view's padding, past the tensor's end)
-        rows = lead if shared_over_first_dim or view[0] == 1 else padded[0].numel() // columns
-        return block_op(*(tensor.reshape(rows, -1) for tensor in padded), global_shape=view,
-                        global_offset=first).reshape(lead, -1)
-
-    runs = [tensor.reshape(lead, -1, run) for tensor in locals_]
-    if len(starts) <= _MOST_CALLS:
-        outputs = []
-        for index, start in enumerate(starts):
-            first, end = start // band * band, tiling.round_up(start + run, band)
-            padded = [torch.nn.functional.pad(tensor[:, index], (start - first, end - start - run)) for tensor in runs]
-            outputs.append(drawn_over(padded, first)[:, start - first:start - first + run])
-        return torch.stack(outputs, dim=1).reshape(local_shape)
-    first, end = starts[0] // band * band, tiling.round_up(starts[-1] + run, band)
-    positions = ((torch.tensor(starts, device=runs[0].device) - first)[:, None]
-                 + torch.arange(run, device=runs[0].device)).reshape(-1)
-
-    def scattered(tensor):
-        spanned = tensor.new_zeros(lead, end - first)
-        spanned[:, positions] = tensor.reshape(lead, -1)
-        return spanned
-
-    return drawn_over([scattered(tensor) for tensor in runs], first)[:, positions].reshape(local_shape)
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

@@ -126,9 +126,8 @@ def uniform(shape, *, seed=None, generator=None, device=None, dtype=torch.float3
             that is none of those,
             ``mesh`` without ``partition_spec`` (or the reverse), a mesh outside SPMD mode, a
             partition spec of another rank than ``shape``, or a sharding the kernel cannot
-            take (uneven shards, more than two split dims besides the first, with
-            ``impl="hardware"`` or ``"tiled"`` shards that are not whole bands of tiles:
-            :ref:`sharded tensors <sharding-limits>`); ``device_mesh`` without ``placements`` (or
+            take (uneven shards; with ``impl="threefry"``, more than two split dims besides
+            the first: :ref:`sharded tensors <sharding-limits>`); ``device_mesh`` without ``placements`` (or
             the reverse, or with ``mesh``), placements other than one ``Shard`` or ``Replicate``
             per mesh dim.
 

@@ -136,12 +136,10 @@ def check_noise_block(block_shape: Sequence[int], shape: Sequence[int], impl: st
                       shared_over_first_dim: bool = False) -> None:
     """Raises ValueError unless a noise kernel of ``impl`` can draw, for a block of
     ``block_shape`` of a tensor of ``shape``, that block's part of the whole tensor's noise:
-    for the per-tile impls a contiguous run of whole bands of tiles
-    (:func:`elementwise.per_tile_view`), else a block split along at most two dims besides the
-    first (:func:`elementwise.check_index_dims`)."""
-    if prng.per_tile(impl):
-        elementwise.per_tile_view(block_shape, shape, shared_over_first_dim, impl)
-    else:
+    threefry's, a block split along at most two dims besides the first
+    (:func:`elementwise.check_index_dims`). The per-tile impls draw any block (one that is
+    not whole bands of their tiles in the bands that cover it: :func:`elementwise.noise_map`)."""
+    if not prng.per_tile(impl):
         elementwise.check_index_dims(block_shape, shape, shared_over_first_dim)
 
 

@@ -52,19 +52,29 @@ IDS = [f"{mesh}-{'x'.join(map(str, shape))}-{spec}" for mesh, shape, spec in CAS
 SHARED = [(case, True) for case in CASES if case[2][0] is not None or len(case[1]) == 3]
 
 
-@pytest.mark.parametrize("case,shared", [(case, False) for case in CASES] + SHARED,
-                         ids=IDS + [f"{IDS[CASES.index(case)]}-shared-mask" for case, _ in SHARED])
-def test_dropout_mask_and_gradient_are_the_unsharded_ones(case, shared):
-    """Threefry, drawn per element, takes any of these splits (the tiled impl, whole bands of its tiles: below)."""
+# The issue's case: a quarter of the one band of its (64, 256) tile a shard.
+ROWS_OF_A_BAND = ("4x1", (64, 256), ("data", None))
+
+
+@pytest.mark.parametrize("case,shared,impl", [(case, False, None) for case in CASES + [ROWS_OF_A_BAND]]
+                         + [(case, True, None) for case, _ in SHARED] + [(CASES[4], False, "threefry")],
+                         ids=IDS + ["4x1-64x256-rows-of-a-band"] + [f"{IDS[CASES.index(case)]}-shared-mask"
+                                                                    for case, _ in SHARED] + [f"{IDS[4]}-threefry"])
+def test_dropout_mask_and_gradient_are_the_unsharded_ones(case, shared, impl):
+    """The default (tiled: shards that are not whole bands of its tiles drawn in the bands that
+    cover them) and threefry (drawn per element) take any of these splits."""
     mesh, shape, spec = case
     values = torch.rand(shape) + 0.5
-    expected = torch_pallas.dropout(values.to(DEVICE), 0.4, seed=7, shared_over_first_dim=shared, impl="threefry").cpu()
+    whole = values.to(DEVICE).requires_grad_(True)
+    expected = torch_pallas.dropout(whole, 0.4, seed=7, shared_over_first_dim=shared, impl=impl)
+    expected.backward(torch.ones(shape, device=DEVICE))
     x = sharded(values, mesh_of(mesh), spec).requires_grad_(True)
-    y = torch_pallas.dropout(x, 0.4, seed=7, shared_over_first_dim=shared, impl="threefry")
+    y = torch_pallas.dropout(x, 0.4, seed=7, shared_over_first_dim=shared, impl=impl)
     y.backward(torch.ones(shape, device=DEVICE))
     assert spec_of(y) == spec_of(x) and spec_of(x.grad) == spec_of(x)
-    torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
-    torch.testing.assert_close(x.grad.cpu(), (expected != 0) / 0.6, rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), expected.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad.cpu(), whole.grad.cpu(), rtol=0, atol=0)
+    assert torch.equal(x.grad.cpu() != 0, expected.cpu() != 0)
 
 
 @pytest.mark.parametrize("mesh,spec", [("4x1", ("data", None)), ("2x2", (("data", "model"), None))])
@@ -91,8 +101,9 @@ def test_random_with_a_mesh_is_the_unsharded_tensor_sharded(distribution, mesh, 
     torch.testing.assert_close(out.cpu(), sample(shape, seed=11).cpu(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl,shape,spec", [(None, (256, 1024), ("data", None)),
-                                             ("threefry", (64, 512), ("data", "model"))], ids=["default", "threefry"])
+@pytest.mark.parametrize("impl,shape,spec", [(None, (256, 1024), ("data", None)), (None, (64, 512), ("data", "model")),
+                                             ("threefry", (64, 512), ("data", "model"))],
+                         ids=["default", "default-covering-bands", "threefry"])
 def test_dropout_forward_and_backward_run_per_shard_without_all_gather(impl, shape, spec):
     x = sharded(torch.rand(shape), mesh_of("2x2"), spec).requires_grad_(True)
 
@@ -265,14 +276,17 @@ def test_dropout_module_with_a_partition_spec_runs_per_shard_under_compile():
     mesh, spec = mesh_of("2x2"), ("data", "model")
     values = torch.rand(16, 512) + 0.5
     x = values.to(DEVICE).requires_grad_(True)  # unmarked: the module's partition_spec shards it
-    dropout = torch_pallas.nn.Dropout(0.3, impl="threefry", mesh=mesh, partition_spec=spec)
+    dropout = torch_pallas.nn.Dropout(0.3, mesh=mesh, partition_spec=spec)  # the default impl, tiled
     compiled = torch.compile(dropout, backend="openxla", fullgraph=True)
+    torch_xla.manual_seed(2)
     y = compiled(x)
     y.backward(torch.ones_like(y))
     torch_xla.sync()
     keep = y.cpu() != 0
-    torch.testing.assert_close(y.cpu(), torch.where(keep, values / 0.7, 0), rtol=1e-6, atol=0)
-    torch.testing.assert_close(x.grad.cpu(), keep / 0.7, rtol=0, atol=0)
+    torch_xla.manual_seed(2)
+    unsharded = torch.compile(torch_pallas.nn.Dropout(0.3), backend="openxla", fullgraph=True)
+    torch.testing.assert_close(y.cpu(), unsharded(values.to(DEVICE)).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad.cpu(), torch.where(keep, y.cpu() / values, 0), rtol=1e-6, atol=0)
     assert spec_of(y) == spec_of(x.grad) == Sharding_text(mesh, spec, (16, 512))
     assert abs(keep.float().mean().item() - 0.7) < 0.03
 
@@ -280,7 +294,7 @@ def test_dropout_module_with_a_partition_spec_runs_per_shard_under_compile():
 def test_convert_dropout_gives_its_dropout_modules_the_partition_spec():
     mesh, spec = mesh_of("2x2"), ("data", "model")
     model = torch_pallas.convert_dropout(torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Dropout1d(0.3)),
-                                         impl="threefry", mesh=mesh, partition_spec=spec)
+                                         mesh=mesh, partition_spec=spec)
     assert model[0].partition_spec == spec and getattr(model[1], "partition_spec", None) is None
     values = torch.rand(16, 512) + 0.5
     torch_xla.manual_seed(3)
@@ -288,8 +302,7 @@ def test_convert_dropout_gives_its_dropout_modules_the_partition_spec():
     torch_xla.sync()
     assert spec_of(y) == Sharding_text(mesh, spec, (16, 512))
     torch_xla.manual_seed(3)
-    torch.testing.assert_close(y.cpu(), torch_pallas.nn.Dropout(0.3, impl="threefry")(values.to(DEVICE)).cpu(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), torch_pallas.nn.Dropout(0.3)(values.to(DEVICE)).cpu(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="dims"):
         model[0](torch.ones(4, 16, 512, device=DEVICE))
     with pytest.raises(ValueError, match="go together"):
@@ -312,15 +325,15 @@ def test_modules_with_a_partition_spec_run_per_shard(compiled):
     torch.manual_seed(0)
     values = torch.randn(8, 6, 256)
     p = 0.2
-    # Features split over "model": threefry, which takes any split (the tiled impl only whole bands of tiles).
+    # Features split over "model": the default impl draws the shards in the bands of tiles that cover them.
     sharded_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True, mesh=mesh,
-                                         partition_spec=spec, impl="threefry").to(DEVICE)
-    plain_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True, impl="threefry").to(DEVICE)
+                                         partition_spec=spec).to(DEVICE)
+    plain_rnn = torch_pallas.nn.IndRNN(256, 256, num_layers=2, dropout=p, batch_first=True).to(DEVICE)
     plain_rnn.load_state_dict(sharded_rnn.state_dict())
-    dropout = torch_pallas.nn.Dropout(p, impl="threefry", mesh=mesh, partition_spec=spec)
+    dropout = torch_pallas.nn.Dropout(p, mesh=mesh, partition_spec=spec)
     assert "partition_spec=('data', None, 'model')" in repr(dropout)
     results = []
-    for rnn, drop in ((sharded_rnn, dropout), (plain_rnn, torch_pallas.nn.Dropout(p, impl="threefry"))):
+    for rnn, drop in ((sharded_rnn, dropout), (plain_rnn, torch_pallas.nn.Dropout(p))):
         torch._dynamo.reset()
         step = (lambda x: drop(rnn(x)[0]))
         step = torch.compile(step, backend="openxla") if compiled else step
@@ -385,11 +398,13 @@ def test_attention_split_along_its_length_is_rejected():
         torch_pallas.scaled_dot_product_attention(query, query, query)
 
 
-def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unsharded():
+@pytest.mark.parametrize("impl", ["threefry", None], ids=["threefry-fused", "default-unfused"])
+def test_peft_lora_under_fsdp_v2_runs_each_lora_input_per_shard_as_unsharded(impl):
     """docs/lora.md#fsdp-v2: a PEFT LoRA model wrapped in FSDPv2 (its parameters sharded, the batch
     split over the fsdp axis), its dropouts converted with the activations' partition spec: under
-    route_dropout() every lora_A(dropout(x)) is one fused call per device's rows, and the loss and
-    the LoRA gradients equal the unsharded model's for the same XLA seed."""
+    route_dropout() every lora_A(dropout(x)) is one fused call per device's rows (threefry; the
+    default's fused kernel takes whole bands of its tiles, more rows than these shards: unfused),
+    and the loss and the LoRA gradients equal the unsharded model's for the same XLA seed."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -398,8 +413,6 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
     from torch_pallas.ops import dropout_linear as dropout_linear_ops
 
     mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
-    # Threefry, drawn per element, takes these small shards (tiled wants whole 64K-element bands of rows:
-    # a few rows at the widths models have; the fused kernels on such shards: the test above).
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
 
     def step(sharded: bool):
@@ -410,7 +423,7 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         split = dict(mesh=mesh, partition_spec=("fsdp", None, None)) if sharded else {}
         model = torch_pallas.convert_dropout(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora),
-                                             impl="threefry", **split)
+                                             impl=impl, **split)
         model = model.to(DEVICE).train()
         if sharded:  # as transformers' Trainer wraps it for FSDPv2: each decoder layer, and the logits' split
             model = SpmdFullyShardedDataParallel(
@@ -434,7 +447,8 @@ def test_peft_lora_under_fsdp_v2_runs_each_lora_input_fused_per_shard_as_unshard
         got = step(sharded=True)
     finally:
         dropout_linear_ops.apply = apply
-    assert len(calls) == 7 and all(calls), calls  # one fused call per adapted layer, on the devices' rows
+    # threefry: one fused call per adapted layer, on the devices' rows
+    assert (len(calls) == 7 and all(calls)) if impl == "threefry" else calls == [], calls
     got, = read_together(got)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     assert len(got) == len(expected) == 15
