@@ -1,5 +1,6 @@
 """Candidate mask generators for the free-noise issue, as libtpu schedules them: VALU ops per
-element of a bfloat16 dropout kernel whose keep test is a 16-bit uniform, beside the shipped impls.
+element of a bfloat16 dropout kernel whose keep test is a 16-bit (or 8-bit) uniform, beside the
+shipped impls.
 
     .venv/xla/bin/python bench/tpu_cost_noise_candidates.py    # libtpu 0.0.21: v4, v5e, v5p, v6e
 
@@ -15,6 +16,13 @@ off libtpu's final bundles (``tpu_cost.measure``: the static schedule). The cand
 - **multiply-xorshift, two elements per word**: two rounds of a 32-bit multiply-xorshift
   (``lowbias32``'s constants, skeeto/hash-prospector), keyed by xoring the key's words in before
   each, on the same layout.
+- **threefry-13, four 16-bit tests per hash**: the tiled impl's hash (both words, four tests),
+  written as a candidate, beside the shipped kernel: what the candidates' layout costs.
+- **8-bit keep tests** (FlashAttention-2's resolution: ``p`` in steps of 1/256): the same hashes
+  filling twice the elements, threefry-13 eight per hash and multiply-xorshift four per word,
+  each test the word shifted (but the first) and compared; and the shipped tiled kernel drawing
+  8-bit uniforms (``prng.tiled_slabs``' eight parts per hash), its tiles walked as the shipped
+  16-bit kernel walks them.
 
 The ``tiled`` and ``hardware`` rows are the shipped dropout kernels (``dropout.dropout``). Nothing
 here says a candidate's statistics are sound (the batteries in ``bench/noise_batteries`` would);
@@ -34,7 +42,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import common
 from tpu_cost import KEY, N, VIEW, grid_size, measure
-from torch_pallas.kernels import dropout, prng
+from torch_pallas import tpu_schedule
+from torch_pallas.kernels import dropout, elementwise, prng
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 BLOCK_ROWS = 512
@@ -58,35 +67,49 @@ def counters(shape, row0):
 
 
 def threefry_word_per_element(k0, k1, index):
-    return prng.threefry_bits(k0, k1, index) & np.uint32(0xFFFF)
+    return (prng.threefry_bits(k0, k1, index),)
 
 
 def threefry_pair(k0, k1, index):
-    return prng.threefry_bits(k0, k1, index)
+    return (prng.threefry_bits(k0, k1, index),)
+
+
+def threefry_13_words(k0, k1, index):
+    """The tiled impl's hash (Threefry-2x32-13, counter (0, index)): both output words."""
+    return prng.threefry2x32(k0, k1, jnp.zeros_like(index), index, rounds=prng.TILED_ROUNDS)
 
 
 def multiply_xorshift_pair(k0, k1, index):
-    return lowbias32(lowbias32(index ^ k0) ^ k1)
+    return (lowbias32(lowbias32(index ^ k0) ^ k1),)
 
 
-def kernel(key_ref, x_ref, out_ref, *, bits_of, pairs):
+def kernel(key_ref, x_ref, out_ref, *, bits_of, tests_per_word, test_bits):
+    """``where(keep, x * scale, 0)`` over a block: ``bits_of`` gives words of a hash grid with
+    ``rows / (words * tests_per_word)`` rows, each word ``tests_per_word`` keep tests of
+    ``test_bits`` bits (its top bits, then the next after a shift), filling slabs of rows in order."""
     k0 = lax.convert_element_type(key_ref[0], jnp.uint32)  # the same bits (a scalar: no bitcast in Mosaic)
     k1 = lax.convert_element_type(key_ref[1], jnp.uint32)
     row0 = pl.program_id(0) * BLOCK_ROWS
     x = x_ref[...].astype(jnp.float32)
-    if not pairs:
-        keep = bits_of(k0, k1, counters(x.shape, row0)) < THRESHOLD
+    words_per_hash = len(bits_of(k0, k1, counters((8, 128), row0)))
+    slab = x.shape[0] // (words_per_hash * tests_per_word)
+    words = bits_of(k0, k1, counters((slab, x.shape[1]), row0))
+    threshold = np.uint32(int(0.9 * 2**test_bits) << (32 - test_bits))
+    if tests_per_word == 1 and test_bits == 16:
+        keep = [(words[0] & np.uint32(0xFFFF)) < np.uint32(int(0.9 * 2**16))]  # the low half, as before
     else:
-        half = x.shape[0] // 2
-        words = bits_of(k0, k1, counters((half, x.shape[1]), row0))
-        keep = jnp.concatenate([(words >> np.uint32(16)) < THRESHOLD, (words & np.uint32(0xFFFF)) < THRESHOLD])
-    out_ref[...] = jnp.where(keep, x * SCALE, 0.0).astype(out_ref.dtype)
+        keep = [(word << np.uint32(test_bits * part) if part else word) < threshold
+                for word in words for part in range(tests_per_word)]
+    keep = jnp.concatenate(keep) if len(keep) > 1 else keep[0]
+    scale = np.float32(2**test_bits / int(0.9 * 2**test_bits))
+    out_ref[...] = jnp.where(keep, x * scale, 0.0).astype(out_ref.dtype)
 
 
-def candidate(bits_of, pairs):
+def candidate(bits_of, tests_per_word, test_bits=16):
     def function(key, x):
         return pl.pallas_call(
-            functools.partial(kernel, bits_of=bits_of, pairs=pairs), grid=(VIEW[0] // BLOCK_ROWS,),
+            functools.partial(kernel, bits_of=bits_of, tests_per_word=tests_per_word, test_bits=test_bits),
+            grid=(VIEW[0] // BLOCK_ROWS,),
             in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec((BLOCK_ROWS, VIEW[1]), lambda i: (i, 0))],
             out_specs=pl.BlockSpec((BLOCK_ROWS, VIEW[1]), lambda i: (i, 0)),
             out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -94,15 +117,31 @@ def candidate(bits_of, pairs):
     return function
 
 
+def tiled_8_bit_tests(key, x):
+    """The shipped tiled kernel (``elementwise.noise_map``: its tiles walked in pieces) drawing 8-bit
+    uniforms, eight per hash, the keep test ``bits >= t << 24``."""
+    threshold = np.uint32(int(0.1 * 2**8 + 0.5) << 24)
+    keep_probability = np.float32(1 - int(0.1 * 2**8 + 0.5) / 2**8)
+
+    def transform(bits, values):
+        return dropout.kept_values(bits >= threshold, values, keep_probability).astype(values.dtype)
+    return elementwise.noise_map(key, x.shape, transform, x.dtype, (x,), impl="tiled", interpret=False,
+                                 name="dropout", uniform_bits=8)
+
+
 def shipped(impl):
     return lambda key, x: dropout.dropout(key, x, p=0.1, impl=impl, interpret=False)
 
 
 CANDIDATES = {
-    "threefry-20, a word per element": candidate(threefry_word_per_element, pairs=False),
-    "threefry-20, two elements per word": candidate(threefry_pair, pairs=True),
-    "multiply-xorshift x2, two elements per word": candidate(multiply_xorshift_pair, pairs=True),
+    "threefry-20, a word per element": candidate(threefry_word_per_element, 1),
+    "threefry-20, two elements per word": candidate(threefry_pair, 2),
+    "multiply-xorshift x2, two elements per word": candidate(multiply_xorshift_pair, 2),
+    "threefry-13, four 16-bit tests per hash (tiled's, as a candidate)": candidate(threefry_13_words, 2),
+    "threefry-13, eight 8-bit tests per hash": candidate(threefry_13_words, 4, test_bits=8),
+    "multiply-xorshift x2, four 8-bit tests per word": candidate(multiply_xorshift_pair, 4, test_bits=8),
     "tiled (shipped default)": shipped("tiled"),
+    "tiled's kernel, eight 8-bit tests per hash": tiled_8_bit_tests,
     "hardware (shipped)": shipped("hardware"),
 }
 
@@ -117,15 +156,24 @@ def main() -> None:
             # As bench/tpu_cost.py counts: a vector op acts on 8 x 128 32-bit lanes, and a megacore's two
             # TensorCores each run half the grid.
             cores = grid // result["grid_steps"] if result["grid_steps"] else 1
+            hardware = tpu_schedule.HARDWARE[generation]
+            # One TensorCore's bundles at the clock, beside the chip's HBM time of reading and writing
+            # the tensor once (2 bytes each way per element).
+            seconds = result["bundles"] / hardware.clock
             rows.append(dict(candidate=name, generation=generation,
                              valu_ops_per_element=result["valu_ops"] * 1024 / (N / cores),
-                             bundles_per_vreg=result["bundles"] * 1024 / (N / cores)))
+                             bundles_per_vreg=result["bundles"] * 1024 / (N / cores),
+                             over_hbm_time=seconds / (4 * N / hardware.hbm_bandwidth)))
     table = common.markdown_table(
-        ["candidate", "TPU", "VALU ops per element", "bundles per 1024 elements"],
-        [(r["candidate"], r["generation"], r["valu_ops_per_element"], r["bundles_per_vreg"]) for r in rows])
-    notes = ("\nbfloat16, 2**22 elements, keep probability 0.9 tested on 16 bits; libtpu's static schedule "
-             "(bench/tpu_cost.py's measure), compile only. A candidate's VALU ops include the load, scale, "
-             "select and store every dropout kernel has (the hardware row is close to that floor).\n")
+        ["candidate", "TPU", "VALU ops per element", "bundles per 1024 elements", "/ HBM time"],
+        [(r["candidate"], r["generation"], r["valu_ops_per_element"], r["bundles_per_vreg"], r["over_hbm_time"])
+         for r in rows])
+    notes = ("\nbfloat16, 2**22 elements, keep probability 0.9 tested on 16 bits (8 where a row says so); "
+             "libtpu's static schedule (bench/tpu_cost.py's measure), compile only. A candidate's VALU ops "
+             "include the load, scale, select and store every dropout kernel has (the hardware row is close to "
+             "that floor). / HBM time: one TensorCore's bundles at its clock (a megacore's two run half the grid "
+             "each) over the time of reading and writing the tensor at the chip's HBM bandwidth "
+             "(torch_pallas.tpu_schedule.HARDWARE).\n")
     common.write("tpu_cost_noise_candidates", dict(mode="compile-only", rows=rows), table + notes, None)
     print(table + notes)
 

@@ -203,8 +203,8 @@ def tiled_hash(key, x0, x1):
 
 def numpy_tiled_tile(key, tile_index, tile, uniform_bits, hash_words=tiled_hash):
     """uint32 bits of one tile of the tiled impl: the parts of a hash cut the rows, rounded up,
-    into slabs of whole sublanes, or the lanes into whole vregs where only they divide; a 16-bit element's
-    uniform is the top half of its word. ``hash_words(key, x0, x1)``: the hash (the statistical
+    into slabs of whole sublanes, or the lanes into whole vregs where only they divide; a 16-bit (or 8-bit)
+    element's uniform is the top half (or byte) of its word, its other bits zeros here. ``hash_words(key, x0, x1)``: the hash (the statistical
     tests' negative controls pass weakened ones)."""
     rows, cols = tile
     parts = 64 // uniform_bits
@@ -212,14 +212,10 @@ def numpy_tiled_tile(key, tile_index, tile, uniform_bits, hash_words=tiled_hash)
     grid = (-(-rows // (8 * parts)) * 8, cols) if along_rows else (rows, cols // parts)
     position = np.arange(grid[0] * grid[1], dtype=np.uint32).reshape(grid)
     y0, y1 = hash_words(key, np.full(grid, tile_index % 2**32, np.uint32), position)
-    if parts == 4:
-        slabs = [(y0 & np.uint32(0xFFFF)) << np.uint32(16), y0, (y1 & np.uint32(0xFFFF)) << np.uint32(16), y1]
-    else:
-        slabs = [y0, y1]
-    bits = np.concatenate(slabs, axis=0 if along_rows else 1)[:rows]  # rows rounded up: drawn, not used
-    if uniform_bits == 16:  # only the top half is the uniform
-        bits = bits & np.uint32(0xFFFF0000)
-    return bits
+    # each word's uniform_bits-bit parts, the lowest first, as the top bits of an element
+    slabs = [(word >> np.uint32(uniform_bits * part)) << np.uint32(32 - uniform_bits) if uniform_bits < 32 else word
+             for word in (y0, y1) for part in range(32 // uniform_bits)]
+    return np.concatenate(slabs, axis=0 if along_rows else 1)[:rows]  # rows rounded up: drawn, not used
 
 
 def numpy_tiled_view(key, view, tile, uniform_bits, first_tile=0, hash_words=tiled_hash):

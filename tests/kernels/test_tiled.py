@@ -20,7 +20,6 @@ from torch_pallas.kernels.attention import AttentionBlocks as AttnBlocks
 from torch_pallas.kernels.tiling import ElementwiseBlocks as Blocks
 
 KEY = key_data(1234)
-TOP_HALF = np.uint32(0xFFFF0000)
 
 # Random123's tests/kat_vectors, the lines ``threefry2x32 13``: counter words, key words, output words.
 THREEFRY13_KNOWN_ANSWERS = [
@@ -99,6 +98,7 @@ def test_layout_is_whole_vreg_slabs_of_the_tile(tile, uniform_bits, layout, grid
 SHAPES = [
     ((256, 1024), 16, [None, Blocks(64, 1024), Blocks(128, 1024, True)]),  # (64, 1024): four row slabs per hash
     ((256, 1024), 32, [None, Blocks(128, 1024, True)]),                    # two row slabs
+    ((256, 1024), 8, [None, Blocks(128, 1024, True)]),                     # eight row slabs (a bench's candidate)
     ((20, 300), 16, [Blocks(24, 128, True)]),                              # ragged, (24, 128): 32 rows drawn
     ((13, 300), 16, [None, Blocks(16, 256)]),                              # (16, 128): four slabs of 8 rows
     ((1000,), 16, [None]),                                                 # 1-D, (8, 1024): four lane slabs
@@ -115,7 +115,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape,uniform_bits,blocks", SHAPES, ids=[f"{case[0]}-{case[1]}" for case in SHAPES])
 def test_bits_are_the_references_for_every_block_of_whole_tiles(shape, uniform_bits, blocks, in_pieces):
     expected = tiled_bits(1234, shape, uniform_bits)
-    mask = np.uint32(0xFFFFFFFF) if uniform_bits == 32 else TOP_HALF
+    mask = np.uint32(2**32 - 2**(32 - uniform_bits))  # the uniform's bits, the top ones
     assert len(np.unique(expected)) > min(expected.size, 2**uniform_bits) // 2
     for block in blocks:
         got = raw_bits(shape, uniform_bits=uniform_bits, blocks=block, tiled_hash_in_pieces=in_pieces)

@@ -289,8 +289,9 @@ def tiled_layout(tile: tuple[int, int], uniform_bits: int = 32) -> tuple[int, in
     """``(parts, axis)``: how :func:`tiled_tile_bits` fills a ``tile`` from one grid of hashes,
     a rule of the tile's shape alone (the one place it is stated).
 
-    One hash has two 32-bit words, so it fills ``parts`` = 2 elements with 32 bits, or 4 with
-    16 (``uniform_bits``). The tile is cut into ``parts`` equal slabs along ``axis``, so that
+    One hash has two 32-bit words, so it fills ``parts`` = 2 elements with 32 bits, 4 with 16
+    (``uniform_bits``), or 8 with 8 (a candidate of bench/tpu_cost_noise_candidates.py: no op
+    draws 8-bit uniforms). The tile is cut into ``parts`` equal slabs along ``axis``, so that
     placing them is a concatenation of whole vregs that Mosaic lays out: rows (0) in slabs of
     whole 8-row sublanes, except where the rows do not divide into them and the lanes divide
     into whole 128-lane vregs, lanes (1). Rows that do not divide are rounded up to a multiple
@@ -332,7 +333,7 @@ def tiled_tile_bits(key_data_ref, tile_index, tile: tuple[int, int], uniform_bit
     the call's :func:`tiled_key_words` (which ``key_data_ref`` holds), whose counter is
     ``(tile_index, position)`` for each position of the hash grid that :func:`tiled_layout` gives the tile. The grid's words fill
     its slabs in order: for 32 bits word 0 then word 1; for 16 bits word 0's low half, its high
-    half, word 1's low half, its high half; slabs along rows are cut to the tile's rows. An element's
+    half, word 1's low half, its high half (for 8, each word's bytes, the lowest first); slabs along rows are cut to the tile's rows. An element's
     uniform is the top ``uniform_bits`` of its bits (the low 16 of a 16-bit element's are not
     random: ``bits >> 16`` is its uniform)."""
     slabs = tiled_slabs(key_data_ref, tile_index, tile, uniform_bits)
@@ -352,10 +353,11 @@ def tiled_slabs(key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: i
     # read_key's does: Mosaic bitcasts vectors only).
     counter0 = lax.convert_element_type(tile_index, jnp.uint32)
     y0, y1 = threefry2x32(k0, k1, counter0, _position_counter(tuple(grid), first_row), rounds=TILED_ROUNDS)
-    # A word's low half goes to the top, where the keep test reads it, by one shift; its high half
-    # is there already.
-    sixteen = np.uint32(16)
-    return {2: (y0, y1), 4: (y0 << sixteen, y0, y1 << sixteen, y1)}[tiled_layout(tile, uniform_bits)[0]]
+    # Each uniform_bits-bit part of a word goes to the top, where the consumer reads it, by one
+    # shift, the lowest part first; the highest is there already.
+    per_word = 32 // uniform_bits
+    return tuple(word << np.uint32(32 - uniform_bits * (part + 1)) if part < per_word - 1 else word
+                 for word in (y0, y1) for part in range(per_word))
 
 
 def tile_bits(impl: str, key_data_ref, tile_index, tile: tuple[int, int], uniform_bits: int = 32) -> jax.Array:
