@@ -107,9 +107,9 @@ def test_a_dtensor_of_tpu_tensors_runs_the_kernel_on_its_shard(two_rank_mesh):
                                              r"\[Replicate\(\)\].*distribute_tensor"):
             torch_pallas.indrnn(x[None], torch.ones(128, device="tpu"))
     kernels = [args for name, args in dispatched.calls if name == "torch_pallas::dropout"]
-    # threefry draws the shard's rows; the default, tiled, draws the one band of (8, 128) tiles the
-    # shard is half of (padded), then keeps the shard's rows.
-    assert [tuple(args[0].shape) for args in kernels] == [(4, 128), (8, 128), (8, 128)]
+    # Each op gets the rank's rows, threefry and the default, tiled (whose kernel layer draws the one band of
+    # (8, 128) tiles the shard is half of, then keeps the shard's rows).
+    assert [tuple(args[0].shape) for args in kernels] == [(4, 128), (4, 128), (4, 128)]
     assert all(args[0].device.type == "tpu" and list(args[8]) == [8, 128] for args in kernels)  # global_shape
     for output in outputs:
         assert type(output).__name__ == "DTensor" and output.placements == (Shard(0),) and output.shape == (8, 128)
