@@ -396,7 +396,17 @@ def run_sampling_case(case: dict, mesh) -> None:
             torch_pallas.sample_tokens(logits, **arguments)
         return
     whole = torch_pallas.sample_tokens(values, **arguments)
-    got = torch_pallas.sample_tokens(logits, **arguments)
+    collectives, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: collectives.append(kwargs.get("group")) or all_reduce(*args, **kwargs)
+    try:
+        got = torch_pallas.sample_tokens(logits, **arguments)
+    finally:
+        dist.all_reduce = all_reduce
+    # Per mesh dim splitting the vocabulary, one all-reduce per reduction: the largest logit, min-p's
+    # least key, each of top-k's 32 steps (float32 keys), top-p's total and each of its 32 steps (its three
+    # mass digits in one), the best score and token, and the log-probabilities' four.
+    splits = sum(isinstance(placement, Shard) and placement.dim % 2 == 1 for placement in case["placements"])
+    assert len(collectives) == splits * (2 + 32 + 1 + 32 + 2 + 4), len(collectives)
     rows = [Shard(0) if placement == Shard(0) else Replicate() for placement in case["placements"]]
     assert_block(got.tokens, whole.tokens, mesh, rows, "tokens")
     assert_block(got.logprobs, whole.logprobs, mesh, rows, "logprobs", exact=False)

@@ -116,15 +116,19 @@ class AcrossRanks:
         return bridge.call(_jax_step, *tensors, step=function, **static)
 
     def reduce(self, kind: str, partial):
-        if isinstance(partial, tuple):
-            return tuple(self.reduce(kind, x) for x in partial)
         if not self.groups:
             return partial
-        # A copy: all_reduce writes in place, and the partial (a shard's scores) is read again.
-        wide = partial.to(torch.float32 if partial.dtype.is_floating_point else torch.int64, copy=True)
+        parts = partial if isinstance(partial, tuple) else (partial,)
+        floating = parts[0].dtype.is_floating_point
+        if any(x.dtype.is_floating_point != floating for x in parts):
+            return tuple(self.reduce(kind, x) for x in parts)
+        # One collective for a tuple's partials (top-p's mass digits: one per search step, not three), stacked:
+        # a copy, as all_reduce writes in place and a partial (a shard's scores) is read again.
+        wide = torch.stack([x.to(torch.float32 if floating else torch.int64) for x in parts])
         for group in self.groups:
             torch.distributed.all_reduce(wide, op=getattr(torch.distributed.ReduceOp, _COLLECTIVES[kind]), group=group)
-        return wide.to(partial.dtype)
+        reduced = tuple(row.to(x.dtype) for row, x in zip(wide, parts))
+        return reduced if isinstance(partial, tuple) else reduced[0]
 
     def bisect(self, partial, kind, holds, shard_arguments, row_arguments):
         return token_sampling_kernels.bisect_in_steps(self, partial, kind, holds, shard_arguments, row_arguments)
