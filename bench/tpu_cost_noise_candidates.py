@@ -26,11 +26,14 @@ off libtpu's final bundles (``tpu_cost.measure``: the static schedule). The cand
 
 The ``tiled`` and ``hardware`` rows are the shipped dropout kernels (``dropout.dropout``). Nothing
 here says a candidate's statistics are sound (the batteries in ``bench/noise_batteries`` would);
-this is their cost. Written to ``results/tpu_cost_noise_candidates.{json,md}``.
+this is their cost. Then flash attention's forward+backward with the tiled impl's dropout on 16-bit
+and on 8-bit keep tests, beside none (v5e, v5p, v6e). Written to
+``results/tpu_cost_noise_candidates.{json,md}``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -41,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import common
+import tpu_cost_attention
 from tpu_cost import KEY, N, VIEW, grid_size, measure
 from torch_pallas import tpu_schedule
 from torch_pallas.kernels import dropout, elementwise, prng
@@ -146,6 +150,42 @@ CANDIDATES = {
 }
 
 
+# Flash attention forward+backward, non-causal, bfloat16, as bench/tpu_cost_attention.py compiles it.
+ATTENTION_SHAPES = {"(2, 8, 2048, 64)": (2, 8, 2048, 64), "ViT-B/16's (32, 12, 197, 64)": (32, 12, 197, 64)}
+ATTENTION_GENERATIONS = ("v5e", "v5p", "v6e")
+
+
+@contextlib.contextmanager
+def keep_tests_of(bits: int):
+    """Every kernel traced inside draws the tiled impl's keep tests with ``bits`` bits: the kernels
+    read ``prng.DROPOUT_BITS`` when they are traced, set here for the compile (and ``p`` rounds to
+    a multiple of ``2**-bits``, the kept values scaled by the keep probability that gives)."""
+    saved, prng.DROPOUT_BITS = prng.DROPOUT_BITS, bits
+    try:
+        yield
+    finally:
+        prng.DROPOUT_BITS = saved
+
+
+def attention_rows() -> list[dict]:
+    """The whole program's bundles (tpu_cost_attention.measure) of attention without dropout and with
+    the tiled impl's dropout (p = 0.1) on 16-bit and 8-bit keep tests."""
+    rows = []
+    for shape_name, shape in ATTENTION_SHAPES.items():
+        for generation in ATTENTION_GENERATIONS:
+            bundles = {}
+            for label, program, bits in (("none", "ours p=0", prng.DROPOUT_BITS), ("16", "ours p=0.1 tiled", 16),
+                                         ("8", "ours p=0.1 tiled", 8)):
+                with keep_tests_of(bits):
+                    function, args = tpu_cost_attention.jax_program(program, shape, False, True)
+                    compiled = tpu_cost_attention.measure(
+                        lambda: tpu_cost_attention._compile_jax(function, args, generation), generation)
+                bundles[label] = compiled["bundles"]
+            rows.append(dict(shape=shape_name, generation=generation, bundles=bundles,
+                             over_none_16=bundles["16"] / bundles["none"], over_none_8=bundles["8"] / bundles["none"]))
+    return rows
+
+
 def main() -> None:
     x = jax.ShapeDtypeStruct(VIEW, jnp.bfloat16)
     rows = []
@@ -174,8 +214,19 @@ def main() -> None:
              "that floor). / HBM time: one TensorCore's bundles at its clock (a megacore's two run half the grid "
              "each) over the time of reading and writing the tensor at the chip's HBM bandwidth "
              "(torch_pallas.tpu_schedule.HARDWARE).\n")
-    common.write("tpu_cost_noise_candidates", dict(mode="compile-only", rows=rows), table + notes, None)
-    print(table + notes)
+    attention = attention_rows()
+    attention_table = common.markdown_table(
+        ["attention fwd+bwd", "TPU", "no dropout (bundles)", "16-bit tests / none", "8-bit tests / none"],
+        [(r["shape"], r["generation"], r["bundles"]["none"], r["over_none_16"], r["over_none_8"]) for r in attention])
+    attention_notes = ("\nFlash attention forward and backward (bench/tpu_cost_attention.py's program: the forward "
+                       "kernel, both backward kernels and XLA's ops around them), non-causal, bfloat16, with the "
+                       "tiled impl's dropout at p = 0.1 on 16-bit keep tests (shipped) and on 8-bit ones "
+                       "(keep_tests_of: the same kernels traced with prng.DROPOUT_BITS = 8), beside no dropout; "
+                       "the whole program's bundles, libtpu's schedule.\n")
+    markdown = table + notes + "\n" + attention_table + attention_notes
+    common.write("tpu_cost_noise_candidates", dict(mode="compile-only", rows=rows, attention=attention), markdown,
+                 None)
+    print(markdown)
 
 
 if __name__ == "__main__":
