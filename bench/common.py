@@ -170,7 +170,11 @@ def commit() -> str:
 def machine() -> dict:
     import jax
     import torch
-    import torch_xla
+    try:
+        import torch_xla
+        torch_xla_version = torch_xla.__version__
+    except ImportError:  # the torchax stack's environment (a benchmark of its newer libtpu)
+        torch_xla_version = "not installed"
 
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -179,7 +183,7 @@ def machine() -> dict:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
         "pjrt_device": os.environ.get("PJRT_DEVICE"), "torch": torch.__version__,
-        "torch_xla": torch_xla.__version__, "jax": jax.__version__, "commit": commit(),
+        "torch_xla": torch_xla_version, "jax": jax.__version__, "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "gpu": "not measured: no accelerator was lent to the session that produced these results",
         "allocator": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "default",

@@ -3,6 +3,8 @@ element of a bfloat16 dropout kernel whose keep test is a 16-bit (or 8-bit) unif
 shipped impls.
 
     .venv/xla/bin/python bench/tpu_cost_noise_candidates.py    # libtpu 0.0.21: v4, v5e, v5p, v6e
+    LIBTPU_INIT_ARGS=--xla_jf_dump_to=$(mktemp -d) .venv/torchax/bin/python bench/tpu_cost_noise_candidates.py \
+        --newest-libtpu                                          # libtpu 0.0.52: v6e and TPU7x
 
 Each candidate is one elementwise Pallas kernel over (512, 1024) blocks of a (4096, 1024) bfloat16
 tensor (the 2-D view ``bench/tpu_cost.py`` uses): ``where(bits < threshold, x * scale, 0)``, with
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import numpy as np
 import jax
@@ -186,12 +189,14 @@ def attention_rows() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def candidate_rows(candidates, generations) -> list[dict]:
+    """Each candidate's schedule per generation (``/ HBM time`` None where the clock is unpublished)."""
     x = jax.ShapeDtypeStruct(VIEW, jnp.bfloat16)
     rows = []
-    for name, function in CANDIDATES.items():
+    for name in candidates:
+        function = CANDIDATES[name]
         grid = grid_size(function, (KEY, x))
-        for generation in GENERATIONS:
+        for generation in generations:
             result = measure(function, (KEY, x), generation)
             # As bench/tpu_cost.py counts: a vector op acts on 8 x 128 32-bit lanes, and a megacore's two
             # TensorCores each run half the grid.
@@ -199,15 +204,43 @@ def main() -> None:
             hardware = tpu_schedule.HARDWARE[generation]
             # One TensorCore's bundles at the clock, beside the chip's HBM time of reading and writing
             # the tensor once (2 bytes each way per element).
-            seconds = result["bundles"] / hardware.clock
+            over_hbm_time = (result["bundles"] / hardware.clock / (4 * N / hardware.hbm_bandwidth)
+                             if hardware.clock else None)
             rows.append(dict(candidate=name, generation=generation,
                              valu_ops_per_element=result["valu_ops"] * 1024 / (N / cores),
-                             bundles_per_vreg=result["bundles"] * 1024 / (N / cores),
-                             over_hbm_time=seconds / (4 * N / hardware.hbm_bandwidth)))
-    table = common.markdown_table(
+                             bundles_per_vreg=result["bundles"] * 1024 / (N / cores), over_hbm_time=over_hbm_time))
+    return rows
+
+
+def candidates_table(rows) -> str:
+    return common.markdown_table(
         ["candidate", "TPU", "VALU ops per element", "bundles per 1024 elements", "/ HBM time"],
-        [(r["candidate"], r["generation"], r["valu_ops_per_element"], r["bundles_per_vreg"], r["over_hbm_time"])
-         for r in rows])
+        [(r["candidate"], r["generation"], r["valu_ops_per_element"], r["bundles_per_vreg"],
+          "—" if r["over_hbm_time"] is None else r["over_hbm_time"]) for r in rows])
+
+
+# The newest libtpu (the torchax stack's 0.0.52) knows TPU7x: the shipped kernels and the 8-bit tiled one there,
+# beside v6e under the same libtpu.
+NEWEST_CANDIDATES = ("tiled (shipped default)", "tiled's kernel, eight 8-bit tests per hash", "hardware (shipped)")
+NEWEST_GENERATIONS = ("v6e", "tpu7x")
+
+
+def main_on_the_newest_libtpu() -> None:
+    rows = candidate_rows(NEWEST_CANDIDATES, NEWEST_GENERATIONS)
+    notes = ("\nThe shipped kernels and the 8-bit tiled one of tpu_cost_noise_candidates.md (bfloat16, 2**22 "
+             "elements, libtpu's static schedule), compiled by libtpu 0.0.52, the torchax stack's, which knows TPU7x "
+             "(run with LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR set before the process starts: there "
+             "enable_estimates() after importing JAX leaves no dump). TPU7x's clock is unpublished: no time.\n")
+    common.write("tpu_cost_noise_candidates_tpu7x", dict(mode="compile-only", rows=rows), candidates_table(rows) + notes,
+                 None)
+    print(candidates_table(rows) + notes)
+
+
+def main() -> None:
+    if "--newest-libtpu" in sys.argv:
+        return main_on_the_newest_libtpu()
+    rows = candidate_rows(CANDIDATES, GENERATIONS)
+    table = candidates_table(rows)
     notes = ("\nbfloat16, 2**22 elements, keep probability 0.9 tested on 16 bits (8 where a row says so); "
              "libtpu's static schedule (bench/tpu_cost.py's measure), compile only. A candidate's VALU ops "
              "include the load, scale, select and store every dropout kernel has (the hardware row is close to "
