@@ -409,6 +409,11 @@ def run_sampling_case(case: dict, mesh) -> None:
     assert len(collectives) == splits * (2 + 32 + 1 + 32 + 2 + 4), len(collectives)
     rows = [Shard(0) if placement == Shard(0) else Replicate() for placement in case["placements"]]
     assert_block(got.tokens, whole.tokens, mesh, rows, "tokens")
+    # Per-row arguments as DTensors too (replicated seeds, temperatures split along the batch): their values.
+    as_dtensors = dict(arguments, seeds=distributed(torch.tensor(arguments["seeds"]), mesh, [Replicate()] * mesh.ndim),
+                       temperature=distributed(arguments["temperature"], mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
+    assert_block(torch_pallas.sample_tokens(logits, **as_dtensors).tokens, whole.tokens, mesh, rows,
+                 "tokens of DTensor seeds and temperatures")
     assert_block(got.logprobs, whole.logprobs, mesh, rows, "logprobs", exact=False)
     assert_block(got.raw_logprobs, whole.raw_logprobs, mesh, rows, "raw logprobs", exact=False)
     tokens = torch_pallas.sample_tokens(logits, **dict(arguments, return_logprobs=False))

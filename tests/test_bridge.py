@@ -45,6 +45,22 @@ def test_cpu_call_takes_tensors_that_require_grad_or_are_not_contiguous():
 
 
 @pytest.mark.skipif(ON_TPU or bool(os.environ.get("JAX_PLATFORMS")), reason="JAX picks its platforms itself there")
+def test_a_dtensor_handed_to_a_kernel_call_is_refused():
+    """A kernel takes a rank's local tensor; a DTensor reaching a front end crashed the process
+    (sample_tokens' seeds as a DTensor, before they were read whole)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        x = DTensor.from_local(torch.ones(4), DeviceMesh("cpu", [0, 1]), [Replicate()], run_check=False)
+        with pytest.raises(TypeError, match="argument 1 of _double is a DTensor.*to_local"):
+            bridge.call(_double, torch.ones(4), x, scale=2.0)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_jax_uses_only_its_cpu_backend_beside_the_cpu_client():
     # With libtpu installed (the test extra), JAX would otherwise try to start a TPU
     # backend and print libtpu's initialisation errors in every CPU run.

@@ -405,7 +405,16 @@ def call(jax_function, *tensors: torch.Tensor, **static):
     ``jax_function`` must be defined at module level: front ends cache its traced graph by
     the function, the tensors' shapes and dtypes, and the ``static`` values (each new static
     value traces and compiles anew, so pass only hashable configuration there).
+
+    Raises:
+        TypeError: a DTensor among ``tensors`` (a kernel takes a rank's local tensors: an op
+            of DTensors runs through :mod:`torch_pallas.dtensors`; a DTensor handed to a
+            front end crashed its process, 2026-12-04).
     """
+    dtensor = next((i for i, tensor in enumerate(tensors) if is_dtensor(tensor)), None)
+    if dtensor is not None:
+        raise TypeError(f"argument {dtensor} of {getattr(jax_function, '__name__', jax_function)} is a DTensor; "
+                        f"kernels take each rank's local tensor (DTensor.to_local())")
     return front_end(tensors[0].device.type).call(jax_function, tensors, static)
 
 

@@ -39,11 +39,26 @@ def _high_word(values: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_right_shift(values, 32)
 
 
+def _whole(value, name: str):
+    """A per-row argument that is a DTensor as the plain tensor of its values, on every rank
+    (``full_tensor``: a replicated one's local tensor, a sharded one gathered; it is ``(B,)``).
+
+    Raises:
+        ValueError: a ``Partial`` DTensor (its values are not the rows')."""
+    if not bridge.is_dtensor(value):
+        return value
+    if any(type(placement).__name__ == "Partial" for placement in value.placements):
+        raise ValueError(f"{name} is a DTensor placed {list(value.placements)}: a Partial sum is not one value per "
+                         f"row; redistribute it to Replicate() first")
+    return value.full_tensor()
+
+
 def _words(values, name: str, batch: int, device: torch.device, bound: int, words: int) -> torch.Tensor:
     """int32 ``(batch, words)`` tensor on ``device`` of the high and low (``words=2``) or low
-    (``words=1``) 32-bit words of a tensor of integers (their 64 bits, unread on the host) or of
-    a sequence of ints in ``[0, bound)`` (checked, split here: torchax holds no int64 without
-    JAX's x64)."""
+    (``words=1``) 32-bit words of a tensor of integers (their 64 bits, unread on the host; a
+    DTensor's whole values: :func:`_whole`) or of a sequence of ints in ``[0, bound)`` (checked,
+    split here: torchax holds no int64 without JAX's x64)."""
+    values = _whole(values, name)
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got {values.dtype}")
@@ -80,6 +95,7 @@ def _per_row(value, name: str, batch: int, device: torch.device, *, integer: boo
     if value is None:
         return None
     dtype = torch.int32 if integer else torch.float32
+    value = _whole(value, name)
     if isinstance(value, torch.Tensor):
         if integer and (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
             raise TypeError(f"{name} must hold integers, got {value.dtype}")
@@ -144,7 +160,9 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
     unsharded call's. In eager mode, where the sharding is known; compiled, the kernel runs on
     the whole logits (:ref:`sharded tensors <sharding-limits>`). DTensor logits (placed
     ``Shard(-1)``, ``Shard(0)`` or ``Replicate``) are sampled on each rank's block, with
-    collectives for the reductions, and give ``(B,)`` DTensors placed as their rows.
+    collectives for the reductions, and give ``(B,)`` DTensors placed as their rows. ``seeds``,
+    ``positions`` and the parameters may be DTensors too (not ``Partial``): their values are
+    read whole (a replicated one's local tensor; a sharded one gathered, a ``(B,)`` collective).
 
     Returns:
         Tensor: int64 ``(B,)`` token ids on logits' device (torchax's int64, which is int32
@@ -163,7 +181,7 @@ def sample_tokens(logits: torch.Tensor, seeds, positions, *, temperature=1.0, to
             parameter tensor not of shape ``(B,)``, a seed or position out of range,
             ``temperature < 0``, ``top_k < 0``, ``top_p`` outside :math:`(0, 1]`, ``min_p``
             outside :math:`[0, 1]`, sharded logits that do not split evenly (SPMD) or a
-            ``Partial`` DTensor.
+            ``Partial`` DTensor (logits or a per-row argument).
 
     Example::
 
