@@ -409,7 +409,7 @@ def call(jax_function, *tensors: torch.Tensor, **static):
     Raises:
         TypeError: a DTensor among ``tensors`` (a kernel takes a rank's local tensors: an op
             of DTensors runs through :mod:`torch_pallas.dtensors`; a DTensor handed to a
-            front end crashed its process, 2026-12-04).
+            front end crashed the process, a segfault, on torch 2.14, 2026-12-04).
     """
     dtensor = next((i for i, tensor in enumerate(tensors) if is_dtensor(tensor)), None)
     if dtensor is not None:
