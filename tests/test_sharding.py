@@ -48,6 +48,16 @@ def test_noise_follows_any_even_shards(impl):
     Sharding.parse("{devices=[2,1,1]0,1}").check((16, 13, 256), "x", impl)  # seen swapped by the per-tile impls
 
 
+def test_a_dtensor_shard_of_whole_bands_off_a_band_is_refused_naming_threefry():
+    from torch_pallas import dtensors
+
+    # (640, 1024) has (64, 1024) tiles: a 64-row shard is a whole band, drawn as it is where it starts at one.
+    dtensors._check_starts_where_the_kernel_takes_it((64, 1024), (640, 1024), (128, 0), "tiled", False)
+    dtensors._check_starts_where_the_kernel_takes_it((32, 1024), (640, 1024), (16, 0), "tiled", False)  # covered
+    with pytest.raises(ValueError, match=r"shard of shape \(64, 1024\) at \(32, 0\).*does not.*threefry"):
+        dtensors._check_starts_where_the_kernel_takes_it((64, 1024), (640, 1024), (32, 0), "tiled", False)
+
+
 def test_uneven_shards_are_refused_with_the_dim():
     with pytest.raises(ValueError, match="along dim 1, which does not divide 130"):
         Sharding.parse("{devices=[1,4]0,1,2,3}").shard_shape((8, 130), "x")

@@ -297,8 +297,8 @@ def map_noise_blocks(x, others: Sequence, block_op: Callable, *, impl: str, shar
 def _check_starts_where_the_kernel_takes_it(local_shape, shape, offset, impl: str, shared_over_first_dim: bool) -> None:
     """Raises ValueError for a shard the kernel layer would take to start at a band of the per-tile
     impls' tiles (:func:`torch_pallas.kernels.elementwise.draws_whole_bands`: whole bands, of an
-    even split's shape, as such shards start) that does not: a block of an uneven split of one dim
-    over two mesh dims can. Checked in the view the kernel draws (the swapped tensor's, where it
+    even split's shape, as such shards start) that does not, as a block of an uneven split of one
+    dim over two mesh dims can. Checked in the view the kernel draws (the swapped tensor's, where it
     is seen swapped)."""
     view, block, start = shape, local_shape, offset
     if elementwise.swaps_first_dims(shape, shared_over_first_dim):
@@ -306,9 +306,9 @@ def _check_starts_where_the_kernel_takes_it(local_shape, shape, offset, impl: st
     if (elementwise.draws_whole_bands(block, view, shared_over_first_dim)
             and flat_offset(start, view, shared_over_first_dim) % elementwise.band_length(view, shared_over_first_dim)):
         raise ValueError(f'impl="{impl}" on a DTensor shard of shape {tuple(local_shape)} at {tuple(offset)} of a tensor '
-                         f"of shape {tuple(shape)}: a shard of this shape starts at a band of tiles, but in an uneven "
-                         f'split of one dim over two mesh dims; use impl="threefry" (drawn per element) or shard it '
-                         f"evenly")
+                         f"of shape {tuple(shape)}: the kernel takes a shard of this shape to start at a band of its "
+                         f"tiles, and this one (of an uneven split, as of one dim over two mesh dims) does not; use "
+                         f'impl="threefry" (drawn per element) or shard it evenly')
 
 
 def check_layout(mesh, placements) -> tuple:
