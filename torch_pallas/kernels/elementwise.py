@@ -306,19 +306,11 @@ def _swapped_offset(shard_offset: jax.Array, global_shape) -> jax.Array:
     tensor: ``(i, j, k)`` at ``(i * L + j) * C + k`` goes to ``(j * B + i) * C + k``, for
     ``global_shape = (B, L, *rest)`` and ``C`` the elements of ``rest``. From word arithmetic: the
     row ``i * L + j`` is below 2**31 (Pallas numbers rows with int32), so its word is an exact
-    quotient, a shift and a multiplication by the odd factor's inverse modulo 2**32."""
+    quotient (:func:`prng.exact_quotient_word`)."""
     batch, length, inner = global_shape[0], global_shape[1], math.prod(global_shape[2:])
     offset = tuple(lax.bitcast_convert_type(shard_offset, jnp.uint32))
     column = prng.remainder_wide(offset, inner)
-    high, low = prng.minus_word(offset, column)
-    shift = (inner & -inner).bit_length() - 1
-    if shift == 0:
-        shifted = low
-    elif shift < 32:
-        shifted = low >> np.uint32(shift) | high << np.uint32(32 - shift)
-    else:
-        shifted = high >> np.uint32(shift - 32)
-    row = shifted * np.uint32(pow(inner >> shift, -1, 2**32))
+    row = prng.exact_quotient_word(prng.minus_word(offset, column), inner)
     j = row % np.uint32(length)
     i = row // np.uint32(length)
     swapped = prng.add_wide(prng.add_wide(prng.multiply_wide(j, batch * inner), prng.multiply_wide(i, inner)),
@@ -336,21 +328,12 @@ def _first_tile(shard_offset: jax.Array, global_cols: int, one_row: bool, seed_t
     """int32 (1,): the index of a shard's first seed tile in the whole tensor's view (see
     :func:`per_tile_view`), from the 64-bit flat index of its first element, an int32 (2,)
     ``[high, low]``. The shard starts a whole tile of a one-row view, else a whole band of
-    ``global_cols * seed_tile[0]`` elements, so the quotients are exact: they come from shifts and,
-    for a band's odd factor, a multiplication by its inverse modulo 2**32 (Mosaic and XLA
-    on TPU have no 64-bit integers; the tile index itself fits one word, and wraps as the
-    int32 arithmetic of JAX's ``sample_block`` does)."""
-    high, low = lax.bitcast_convert_type(shard_offset, jnp.uint32)
+    ``global_cols * seed_tile[0]`` elements, so the quotients are exact (:func:`prng.exact_quotient_word`:
+    Mosaic and XLA on TPU have no 64-bit integers; the tile index itself fits one word, and
+    wraps as the int32 arithmetic of JAX's ``sample_block`` does)."""
     tile_rows, tile_cols = seed_tile
-    divisor = tile_cols if one_row else global_cols * tile_rows
-    shift = (divisor & -divisor).bit_length() - 1
-    odd = divisor >> shift
-    # The low word of offset >> shift.
-    if shift < 32:
-        shifted = low >> np.uint32(shift) | high << np.uint32(32 - shift) if shift else low
-    else:
-        shifted = high >> np.uint32(shift - 32)
-    first = shifted * np.uint32(pow(odd, -1, 2**32))
+    first = prng.exact_quotient_word(tuple(lax.bitcast_convert_type(shard_offset, jnp.uint32)),
+                                     tile_cols if one_row else global_cols * tile_rows)
     if not one_row:
         first = first * np.uint32(tiling.round_up(global_cols, tile_cols) // tile_cols)
     return lax.bitcast_convert_type(first, jnp.int32).reshape(1)

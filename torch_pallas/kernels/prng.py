@@ -187,6 +187,22 @@ def remainder_wide(a, divisor: int) -> jax.Array:
     return remainder
 
 
+def exact_quotient_word(a, divisor: int) -> jax.Array:
+    """The low uint32 word of ``(high * 2**32 + low) / divisor`` for a (high, low) pair ``a``
+    that a static ``divisor`` divides: a shift by the divisor's power of two, then a
+    multiplication by its odd factor's inverse modulo 2**32 (exact in the low word). A shard's
+    first tile and a row of a swapped tensor's offset are such quotients."""
+    high, low = a
+    shift = (divisor & -divisor).bit_length() - 1
+    if shift == 0:
+        shifted = low
+    elif shift < 32:
+        shifted = low >> np.uint32(shift) | high << np.uint32(32 - shift)
+    else:
+        shifted = high >> np.uint32(shift - 32)
+    return shifted * np.uint32(pow(divisor >> shift, -1, 2**32))
+
+
 def multiply_wide(x: jax.Array, constant: int) -> tuple[jax.Array, jax.Array]:
     """(high, low) words of ``x * constant`` modulo 2**64, for uint32 ``x`` (scalar or array)
     and a static ``constant`` in [0, 2**64)."""
