@@ -90,13 +90,11 @@ def flat_offset(offset: Sequence[int], shape: Sequence[int], shared_over_first_d
 
 def _runs(shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int]) -> tuple[int, list[int]]:
     """The runs of the block of ``local_shape`` at ``offset`` of a tensor of ``shape``, in its
-    flat order: (their length, the flat index of each start), one run per index of the dims
-    before the last dim the block splits, in the block's own order."""
-    split = max([0] + [d for d, (size, whole) in enumerate(zip(local_shape, shape)) if size != whole])
-    outer = local_shape[:split]
-    starts = [flat_offset([*(o + i for o, i in zip(offset, _unravel(index, outer))), offset[split],
-                           *[0] * (len(shape) - split - 1)], shape) for index in range(math.prod(outer))]
-    return local_shape[split] * math.prod(shape[split + 1:]), starts
+    flat order: (their length, the flat index of each start;
+    :func:`torch_pallas.kernels.elementwise.block_runs`)."""
+    length, starts = elementwise.block_runs(local_shape, shape)
+    first = flat_offset(offset, shape)
+    return length, [first + start for start in starts]
 
 
 def row_runs(x) -> list[tuple[int, list[int]]] | None:
@@ -302,7 +300,7 @@ def _check_starts_where_the_kernel_takes_it(local_shape, shape, offset, impl: st
     is seen swapped)."""
     view, block, start = shape, local_shape, offset
     if elementwise.swaps_first_dims(shape, shared_over_first_dim):
-        view, block, start = ((v[1], v[0], *v[2:]) for v in (shape, local_shape, offset))
+        view, block, start = map(elementwise.swap_first_dims, (shape, local_shape, offset))
     if (elementwise.draws_whole_bands(block, view, shared_over_first_dim)
             and flat_offset(start, view, shared_over_first_dim) % elementwise.band_length(view, shared_over_first_dim)):
         raise ValueError(f'impl="{impl}" on a DTensor shard of shape {tuple(local_shape)} at {tuple(offset)} of a tensor '
@@ -391,14 +389,6 @@ def map_channels(x, scale: torch.Tensor):
     block = scale[tuple(slice(start, start + size) for start, size in zip(offset[:scale.dim()], local_shape))]
     output = x.to_local() * block.reshape(*block.shape, *[1] * (x.dim() - scale.dim()))
     return _like(output, x)
-
-
-def _unravel(index: int, shape: Sequence[int]) -> list[int]:
-    position = []
-    for size in reversed(shape):
-        index, remainder = divmod(index, size)
-        position.append(remainder)
-    return position[::-1]
 
 
 def placements_match(x, other) -> bool:

@@ -9,6 +9,7 @@ kernel that, chunk by chunk, draws the chunk's random bits and writes
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -230,6 +231,18 @@ def draws_whole_bands(shape, global_shape, shared_over_first_dim: bool = False) 
 MOST_RUNS = 16
 
 
+def block_runs(block_shape, shape) -> tuple[int, list[int]]:
+    """The runs of a block of ``block_shape`` of a tensor of ``shape`` in its flat order: their
+    length and each start's flat index relative to the block's first element, one run per index
+    of the dims before the last dim the block splits, in the block's own order."""
+    split = max([0] + [d for d, (size, whole) in enumerate(zip(block_shape, shape)) if size != whole])
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    # itertools, not np.ndindex: dynamo traces this where a DTensor op runs compiled (dtensors.row_runs).
+    starts = [sum(i * stride for i, stride in zip(position, strides))
+              for position in itertools.product(*(range(size) for size in block_shape[:split]))]
+    return block_shape[split] * strides[split], starts
+
+
 def _in_covering_bands(key_data, shape, transform, out_dtype, operands, *, global_shape, shard_offset,
                        shared_over_first_dim, **options) -> jax.Array:
     """:func:`noise_map` of a per-tile impl on a shard that is not whole bands of the whole
@@ -270,22 +283,18 @@ def _in_covering_bands(key_data, shape, transform, out_dtype, operands, *, globa
                               **options).reshape(lead, span)
         return lax.dynamic_slice(out, (np.int32(0), place), (lead, length))
 
-    split = max([0] + [d for d, (size, whole) in enumerate(zip(block, index_shape)) if size != whole])
-    strides = [math.prod(index_shape[d + 1:]) for d in range(len(index_shape))]
-    outer = block[:split]
-    run = block[split] * strides[split]
-    if math.prod(outer) <= MOST_RUNS:
+    run, starts = block_runs(block, index_shape)
+    if len(starts) <= MOST_RUNS:
         pieces = [operand.reshape(lead, -1, run) for operand in operands]
         outputs = []
-        for index, position in enumerate(np.ndindex(*outer)):
-            relative = sum(i * stride for i, stride in zip(position, strides))
+        for index, relative in enumerate(starts):
             place = (misplaced + np.uint32(relative % band)) % np.uint32(band)
             start = prng.minus_word(prng.add_wide(offset, (np.uint32(relative >> 32), np.uint32(relative & 0xFFFFFFFF))),
                                     place)
             outputs.append(drawn([piece[:, index] for piece in pieces], run, start, place.astype(jnp.int32)))
         return jnp.stack(outputs, axis=1).reshape(shape)
     # The span: the shard placed in the whole tensor's dims after its first, zeros between its runs.
-    extent = block[0] * strides[0]
+    extent = block[0] * math.prod(index_shape[1:])
     pieces = [jnp.pad(operand.reshape(lead, *block), [(0, 0), (0, 0)] + [(0, whole - size) for size, whole in
                                                                       zip(block[1:], index_shape[1:])]
                       ).reshape(lead, extent) for operand in operands]
@@ -406,10 +415,10 @@ def noise_map(key_data: jax.Array, shape, transform, out_dtype, operands: tuple 
         raise ValueError(f"shard_offset must have shape (2,) (the high and low words of a flat index), "
                          f"got {tuple(shard_offset.shape)}")
     if per_tile and swaps_first_dims(global_shape if sharded else shape, shared_over_first_dim):
-        out = noise_map(key_data, _swap_first_dims(shape), transform, out_dtype,
+        out = noise_map(key_data, swap_first_dims(shape), transform, out_dtype,
                         tuple(jnp.swapaxes(operand, 0, 1) for operand in operands), impl=impl,
                         interpret=interpret, blocks=blocks,
-                        global_shape=_swap_first_dims(global_shape) if sharded else None,
+                        global_shape=swap_first_dims(global_shape) if sharded else None,
                         shard_offset=_swapped_offset(shard_offset, global_shape) if sharded else None, name=name,
                         element_cost=element_cost, uniform_bits=uniform_bits,
                         tiled_hash_in_pieces=tiled_hash_in_pieces)
@@ -526,7 +535,8 @@ def _in_float32(bits, *operands, transform):
     return transform(bits, *operands).astype(jnp.float32)
 
 
-def _swap_first_dims(shape) -> tuple:
+def swap_first_dims(shape) -> tuple:
+    """``shape`` (a shape or a position in one) with its first two entries swapped."""
     return (shape[1], shape[0], *shape[2:])
 
 
