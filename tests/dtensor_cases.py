@@ -414,6 +414,9 @@ def run_sampling_case(case: dict, mesh) -> None:
                        temperature=distributed(arguments["temperature"], mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
     assert_block(torch_pallas.sample_tokens(logits, **as_dtensors).tokens, whole.tokens, mesh, rows,
                  "tokens of DTensor seeds and temperatures")
+    with pytest.raises(ValueError, match=r"seeds is a DTensor placed .*Partial.*redistribute"):
+        torch_pallas.sample_tokens(logits, **dict(arguments, seeds=distributed(
+            torch.tensor(arguments["seeds"]), mesh, [Partial()] + [Replicate()] * (mesh.ndim - 1))))
     assert_block(got.logprobs, whole.logprobs, mesh, rows, "logprobs", exact=False)
     assert_block(got.raw_logprobs, whole.raw_logprobs, mesh, rows, "raw logprobs", exact=False)
     tokens = torch_pallas.sample_tokens(logits, **dict(arguments, return_logprobs=False))

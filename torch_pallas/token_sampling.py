@@ -47,7 +47,7 @@ def _whole(value, name: str):
         ValueError: a ``Partial`` DTensor (its values are not the rows')."""
     if not bridge.is_dtensor(value):
         return value
-    if any(type(placement).__name__ == "Partial" for placement in value.placements):
+    if any(placement.is_partial() for placement in value.placements):
         raise ValueError(f"{name} is a DTensor placed {list(value.placements)}: a Partial sum is not one value per "
                          f"row; redistribute it to Replicate() first")
     return value.full_tensor()
