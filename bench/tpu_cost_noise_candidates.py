@@ -73,11 +73,7 @@ def counters(shape, row0):
     return rows * np.uint32(VIEW[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
 
 
-def threefry_word_per_element(k0, k1, index):
-    return (prng.threefry_bits(k0, k1, index),)
-
-
-def threefry_pair(k0, k1, index):
+def threefry_20_word(k0, k1, index):
     return (prng.threefry_bits(k0, k1, index),)
 
 
@@ -141,8 +137,8 @@ def shipped(impl):
 
 
 CANDIDATES = {
-    "threefry-20, a word per element": candidate(threefry_word_per_element, 1),
-    "threefry-20, two elements per word": candidate(threefry_pair, 2),
+    "threefry-20, a word per element": candidate(threefry_20_word, 1),
+    "threefry-20, two elements per word": candidate(threefry_20_word, 2),
     "multiply-xorshift x2, two elements per word": candidate(multiply_xorshift_pair, 2),
     "threefry-13, four 16-bit tests per hash (tiled's, as a candidate)": candidate(threefry_13_words, 2),
     "threefry-13, eight 8-bit tests per hash": candidate(threefry_13_words, 4, test_bits=8),
